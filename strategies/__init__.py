@@ -1,0 +1,1 @@
+"""The distribution side of tf_agn: strategy builders and their flags."""

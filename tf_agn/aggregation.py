@@ -1,0 +1,76 @@
+"""How per-replica values are combined: the `AggregationMethod` enum."""
+
+import enum
+
+import tensorflow as tf
+
+
+class AggregationMethod(enum.Enum):
+    """How gradients (or other values) from several replicas are combined.
+
+    The names mirror `tf.VariableAggregation`. They are not
+    `tf.AggregationMethod` (ADD_N, EXPERIMENTAL_TREE, ...), which governs how
+    several gradient contributions to one tensor are summed inside one graph.
+
+    | method             | every replica receives          |
+    |--------------------|---------------------------------|
+    | NONE               | its own value: no communication |
+    | SUM                | the sum over replicas           |
+    | MEAN               | the mean over replicas          |
+    | ONLY_FIRST_REPLICA | replica 0's value               |
+
+    Example:
+
+    >>> AggregationMethod.parse("mean")
+    <AggregationMethod.MEAN: 'mean'>
+    >>> AggregationMethod.parse("Only_First_Replica").reduce_op is None
+    True
+    """
+
+    NONE = "none"
+    SUM = "sum"
+    MEAN = "mean"
+    ONLY_FIRST_REPLICA = "only_first_replica"
+
+    @classmethod
+    def parse(cls, value):
+        """Returns the member named by `value`.
+
+        Args:
+            value: an `AggregationMethod`, a `tf.distribute.ReduceOp`, or a
+                member's name in any case ("mean", "MEAN", ...).
+
+        Returns:
+            An `AggregationMethod`.
+
+        Raises:
+            ValueError: if `value` names no member. The message lists the
+                allowed names.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, tf.distribute.ReduceOp):
+            return cls[value.name]
+        if isinstance(value, str):
+            key = value.strip().upper()
+            if key in cls.__members__:
+                return cls[key]
+        raise ValueError(
+            f"Unknown aggregation method {value!r}. Allowed: "
+            f"{', '.join(cls.names())} (case-insensitive)."
+        )
+
+    @classmethod
+    def names(cls):
+        """Returns the members' names in lower case, as flags spell them."""
+        return [member.value for member in cls]
+
+    @property
+    def reduce_op(self):
+        """The matching `tf.distribute.ReduceOp`, or None where TF has none."""
+        if self in (AggregationMethod.SUM, AggregationMethod.MEAN):
+            return tf.distribute.ReduceOp[self.name]
+        return None
+
+    def __str__(self):
+        return self.value

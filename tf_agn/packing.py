@@ -1,0 +1,99 @@
+"""Grouping many tensors into a few flat buffers, and the compiled combine.
+
+Reducing 200 small gradient tensors one by one pays a fixed cost 200 times.
+Packing groups them, per dtype, into packs of at most `bytes_per_pack`
+bytes, and one compiled call reduces each pack. Where a pack has to travel
+between devices with their own memory (GPUs), each replica first flattens it
+into one buffer, so it moves as one transfer. Devices that share host memory
+(logical CPUs) read the tensors in place: copying them into a buffer would
+only add a pass over memory.
+"""
+
+import functools
+
+import tensorflow as tf
+
+# Devices on which XLA can compile our combine function. Elsewhere the same
+# function runs as an ordinary graph function.
+XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
+
+COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+def plan_packs(dtypes_and_sizes, bytes_per_pack):
+    """Groups tensor indices into packs of one dtype and bounded size.
+
+    Tensors keep their order within a dtype. A tensor larger than
+    `bytes_per_pack` gets a pack of its own.
+
+    Args:
+        dtypes_and_sizes: a list of `(tf.DType, num_elements)` pairs.
+        bytes_per_pack: the most bytes one pack may hold.
+
+    Returns:
+        A list of packs, each a list of indices into `dtypes_and_sizes`.
+    """
+    open_packs = {}
+    packs = []
+    for index, (dtype, size) in enumerate(dtypes_and_sizes):
+        nbytes = size * dtype.size
+        pack = open_packs.get(dtype)
+        if pack is None or pack["bytes"] + nbytes > bytes_per_pack:
+            pack = {"indices": [], "bytes": 0}
+            open_packs[dtype] = pack
+            packs.append(pack["indices"])
+        pack["indices"].append(index)
+        pack["bytes"] += nbytes
+    return packs
+
+
+def accumulation_dtype(dtype):
+    """The dtype sums are taken in: at least float32 for floats."""
+    if dtype in (tf.float16, tf.bfloat16):
+        return tf.float32
+    return dtype
+
+
+def _combine(per_replica_tensors, scale, output_dtype):
+    """Returns `scale * sum_r per_replica_tensors[r]`, tensor by tensor.
+
+    Sums are taken in `scale.dtype` and cast to `output_dtype`. XLA fuses
+    the casts, the sum and the scaling into one pass over each tensor.
+    """
+    return [
+        tf.cast(
+            tf.add_n([tf.cast(t[i], scale.dtype) for t in per_replica_tensors])
+            * scale,
+            output_dtype,
+        )
+        for i in range(len(per_replica_tensors[0]))
+    ]
+
+
+def _flatten(tensors, dtype):
+    """Concatenates `tensors` into one flat buffer of `dtype`."""
+    return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
+
+
+def unflatten(flat, like):
+    """Splits a flat buffer back into tensors shaped like `like`."""
+    pieces = tf.split(flat, [tf.size(t) for t in like])
+    return [tf.reshape(p, tf.shape(t)) for p, t in zip(pieces, like)]
+
+
+@functools.cache
+def combine_fn(jit_compile):
+    """The combine function, XLA-compiled or as a plain graph function."""
+    return tf.function(_combine, jit_compile=jit_compile, autograph=False)
+
+
+@functools.cache
+def flatten_fn(jit_compile):
+    """The flatten function, XLA-compiled or as a plain graph function."""
+    return tf.function(_flatten, jit_compile=jit_compile, autograph=False)
+
+
+def supports_xla(device):
+    """Whether XLA can compile for `device` (a device string)."""
+    device_type = tf.DeviceSpec.from_string(device).device_type
+    return (device_type or "CPU").upper() in XLA_DEVICE_TYPES
