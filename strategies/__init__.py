@@ -1,1 +1,6 @@
 """The distribution side of tf_agn: strategy builders and their flags."""
+
+from tf_agn.strategies.flags import define_flags
+from tf_agn.strategies.flags import strategy_from_flags
+from tf_agn.strategies.mirrored import mirrored
+from tf_agn.strategies.mirrored import split_cpu

@@ -1,4 +1,16 @@
 """tf_agn: control how gradients from many replicas are combined."""
 
+import os as _os
+
+from tf_agn import _source_layout
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.cross_device_ops import AggregatingAllReduce
+from tf_agn.replicas import replica_weights
+
+_source_layout.attach_strategies(_os.path.dirname(__file__))
+
+from tf_agn import datasets  # noqa: E402
+from tf_agn import optimizers  # noqa: E402
+from tf_agn import strategies  # noqa: E402
+
+__version__ = "0.1.0"

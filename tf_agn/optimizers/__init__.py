@@ -1,0 +1,9 @@
+"""tf_agn's Keras 3 optimizers."""
+
+from tf_agn.optimizers.aggregating import SGD
+from tf_agn.optimizers.aggregating import Adam
+from tf_agn.optimizers.aggregating import AdamW
+from tf_agn.optimizers.aggregating import Aggregating
+from tf_agn.optimizers.aggregating import RMSprop
+from tf_agn.optimizers.aggregating import aggregating_class
+from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer

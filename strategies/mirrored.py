@@ -1,0 +1,63 @@
+"""Building a `MirroredStrategy` that aggregates with tf_agn's ops."""
+
+import tensorflow as tf
+
+from tf_agn.cross_device_ops import AggregatingAllReduce
+
+
+def split_cpu(num_devices):
+    """Splits the host CPU into `num_devices` logical devices.
+
+    This lets `MirroredStrategy` run real replicas on a machine without
+    accelerators. It must run before TensorFlow initializes its devices.
+
+    Args:
+        num_devices: how many logical CPU devices to create (at least 1).
+
+    Returns:
+        The logical CPU device names.
+
+    Raises:
+        ValueError: if `num_devices` < 1.
+        RuntimeError: if TensorFlow's devices are already initialized with
+            a different number of logical CPUs.
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(
+            f"num_devices must be an int >= 1; received {num_devices!r}."
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
+        )
+    except RuntimeError:
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) != num_devices:
+            raise RuntimeError(
+                f"Cannot split the CPU into {num_devices} devices: TensorFlow "
+                f"already runs with {len(existing)}. Call split_cpu before "
+                "any TensorFlow operation."
+            ) from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def mirrored(devices=None, aggregation="mean", **ops_kwargs):
+    """Returns a `MirroredStrategy` that reduces with `AggregatingAllReduce`.
+
+    Args:
+        devices: the devices to replicate on; by default every GPU, or the
+            CPU when there is none (as `MirroredStrategy` chooses).
+        aggregation: the default `AggregationMethod` for tf_agn optimizers
+            created in this strategy's scope without a method of their own.
+        **ops_kwargs: further `AggregatingAllReduce` arguments
+            (`bytes_per_pack`, `compression`, `jit_compile`, ...).
+
+    Returns:
+        A `tf.distribute.MirroredStrategy`.
+
+    Raises:
+        ValueError: for an unknown aggregation or a bad ops argument.
+    """
+    ops = AggregatingAllReduce(aggregation=aggregation, **ops_kwargs)
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)

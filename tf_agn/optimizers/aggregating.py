@@ -1,0 +1,141 @@
+"""The `Aggregating` mixin: a Keras optimizer that chooses how replicas'
+gradients are combined."""
+
+import functools
+
+import keras
+from keras.src.optimizers import base_optimizer
+
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.replicas import aggregate_gradients
+from tf_agn.replicas import default_aggregation
+
+
+class Aggregating:
+    """Mixin that gives a Keras optimizer an `aggregation_method`.
+
+    Stock Keras 3 always all-reduces gradients with SUM (of losses it scaled
+    by 1/n, so the result is a mean), clips before that all-reduce, and then
+    updates every replica's copy through `merge_call`. An `Aggregating`
+    optimizer instead, on every step and in this order:
+
+    1. applies weight decay, if any, to each replica's copy;
+    2. combines the replicas' gradients with `aggregation_method` (see
+       `tf_agn.AggregationMethod`), undoing Keras' 1/n loss scaling so MEAN
+       is the mean of the per-replica gradients and SUM their sum;
+    3. clips the combined gradient (`clipnorm`, `global_clipnorm`,
+       `clipvalue`), so that clipping sees what is applied;
+    4. runs the optimizer's own `update_step` on each replica's copy, in
+       replica context.
+
+    With NONE, step 2 communicates nothing and every replica applies its own
+    gradient, so the copies drift apart (read them with
+    `tf_agn.replica_weights`). With the others every replica applies the
+    same combined gradient, so the copies stay equal.
+
+    Mix it in before the Keras class: `class Adam(Aggregating,
+    keras.optimizers.Adam)`; `tf_agn.optimizers.Adam`, `SGD`, `AdamW` and
+    `RMSprop` are built that way.
+
+    Args:
+        aggregation_method: an `AggregationMethod` or its name. None (the
+            default) takes the `aggregation` of the strategy's
+            `tf_agn.AggregatingAllReduce` (see `tf_agn.strategies.mirrored`),
+            or MEAN under any other strategy.
+        *args, **kwargs: the Keras optimizer's own arguments.
+
+    Raises:
+        ValueError: for an unknown aggregation method.
+    """
+
+    def __init__(self, *args, aggregation_method=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if aggregation_method is not None:
+            aggregation_method = AggregationMethod.parse(aggregation_method)
+        self.aggregation_method = aggregation_method
+
+    @property
+    def resolved_aggregation(self):
+        """The method in force: our own, or the strategy's default."""
+        if self.aggregation_method is not None:
+            return self.aggregation_method
+        return default_aggregation(self._distribution_strategy)
+
+    def _clip_gradients(self, grads):
+        # Keras clips before it all-reduces; we clip the combined gradient
+        # in `_backend_update_step` instead.
+        return grads
+
+    def _apply_weight_decay(self, variables):
+        # The backend-agnostic version updates each replica's copy in replica
+        # context, without the `merge_call` of Keras' TF backend.
+        base_optimizer.BaseOptimizer._apply_weight_decay(self, variables)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        grads = aggregate_gradients(grads, self.resolved_aggregation)
+        grads = base_optimizer.BaseOptimizer._clip_gradients(self, grads)
+        base_optimizer.BaseOptimizer._backend_update_step(
+            self, grads, trainable_variables, learning_rate
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        method = self.aggregation_method
+        config["aggregation_method"] = None if method is None else method.value
+        return config
+
+
+def _register(cls):
+    return keras.saving.register_keras_serializable(package="tf_agn")(cls)
+
+
+@_register
+class SGD(Aggregating, keras.optimizers.SGD):
+    """`keras.optimizers.SGD` with an `aggregation_method` (see `Aggregating`)."""
+
+
+@_register
+class Adam(Aggregating, keras.optimizers.Adam):
+    """`keras.optimizers.Adam` with an `aggregation_method` (see `Aggregating`)."""
+
+
+@_register
+class AdamW(Aggregating, keras.optimizers.AdamW):
+    """`keras.optimizers.AdamW` with an `aggregation_method` (see
+    `Aggregating`)."""
+
+
+@_register
+class RMSprop(Aggregating, keras.optimizers.RMSprop):
+    """`keras.optimizers.RMSprop` with an `aggregation_method` (see
+    `Aggregating`)."""
+
+
+_DROP_INS = {
+    keras.optimizers.SGD: SGD,
+    keras.optimizers.Adam: Adam,
+    keras.optimizers.AdamW: AdamW,
+    keras.optimizers.RMSprop: RMSprop,
+}
+
+
+@functools.cache
+def aggregating_class(optimizer_class):
+    """Returns `optimizer_class` with `Aggregating` mixed in.
+
+    Args:
+        optimizer_class: a subclass of `keras.optimizers.Optimizer`.
+
+    Returns:
+        The class itself if it already aggregates, tf_agn's drop-in for the
+        four Keras classes it has one for, else a new subclass.
+    """
+    if issubclass(optimizer_class, Aggregating):
+        return optimizer_class
+    if optimizer_class in _DROP_INS:
+        return _DROP_INS[optimizer_class]
+    return type(
+        optimizer_class.__name__,
+        (Aggregating, optimizer_class),
+        {"__doc__": optimizer_class.__doc__},
+    )

@@ -1,0 +1,149 @@
+"""`DistributedOptimizer`: wraps any Keras 3 optimizer to choose how replicas'
+gradients are combined."""
+
+import keras
+from keras.src.optimizers import optimizer as keras_optimizer
+from keras.src.saving import serialization_lib
+
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.optimizers.aggregating import Aggregating
+from tf_agn.optimizers.aggregating import aggregating_class
+
+
+@keras.saving.register_keras_serializable(package="tf_agn")
+class DistributedOptimizer(keras_optimizer.Optimizer):
+    """Wraps a Keras optimizer so replicas combine gradients by `aggregation`.
+
+    The wrapped optimizer keeps its own update rule, state and
+    hyperparameters; only the communication changes (see
+    `tf_agn.optimizers.Aggregating` for the exact order of weight decay,
+    aggregation, clipping and update). Like Keras' `LossScaleOptimizer`, this
+    wrapper holds no hyperparameters of its own: `learning_rate` and
+    `iterations` are the inner optimizer's.
+
+    Example:
+
+    ```python
+    strategy = tf_agn.strategies.mirrored()
+    with strategy.scope():
+        model = make_model()
+        model.compile(
+            optimizer=tf_agn.optimizers.DistributedOptimizer(
+                keras.optimizers.Adam(1e-3), aggregation="sum"
+            ),
+            loss="sparse_categorical_crossentropy",
+        )
+    ```
+
+    Wrap an optimizer before it is built (before training). Under mixed
+    precision Keras puts its `LossScaleOptimizer` around this wrapper, which
+    is the right order: the loss scale is undone before gradients travel.
+
+    Args:
+        optimizer: the `keras.optimizers.Optimizer` to wrap. It is rebuilt
+            from its config with the aggregation mixed in, so its class must
+            round-trip through `get_config`/`from_config`.
+        aggregation: an `AggregationMethod` or its name; default MEAN. None
+            takes the default of the strategy's `tf_agn.AggregatingAllReduce`.
+        name: the wrapper's name.
+
+    Raises:
+        TypeError: if `optimizer` is not a Keras 3 optimizer.
+        ValueError: if `optimizer` is already built, is a
+            `LossScaleOptimizer`, or `aggregation` is unknown.
+    """
+
+    def __init__(self, optimizer, aggregation="mean", name=None, **kwargs):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "DistributedOptimizer wraps a keras.optimizers.Optimizer "
+                f"(Keras 3); received {optimizer!r} of type "
+                f"{type(optimizer).__name__}."
+            )
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "Wrap the inner optimizer, not a LossScaleOptimizer: Keras "
+                "adds the LossScaleOptimizer around DistributedOptimizer "
+                "itself under mixed precision."
+            )
+        if optimizer.built:
+            raise ValueError(
+                f"Optimizer {optimizer.name!r} is already built. Wrap it "
+                "in DistributedOptimizer before training starts."
+            )
+        if aggregation is not None:
+            aggregation = AggregationMethod.parse(aggregation)
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self._wrapped_class = type(optimizer)
+        config = optimizer.get_config()
+        config["aggregation_method"] = aggregation and aggregation.value
+        self.inner_optimizer = aggregating_class(type(optimizer)).from_config(
+            config
+        )
+
+    @property
+    def aggregation(self):
+        """The `AggregationMethod` in force."""
+        return self.inner_optimizer.resolved_aggregation
+
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None):
+        self.inner_optimizer.apply(grads, trainable_variables)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def loss_scale_factor(self):
+        return self.inner_optimizer.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        # Keras' LossScaleOptimizer clears this on the optimizer it wraps.
+        if hasattr(self, "inner_optimizer"):
+            self.inner_optimizer.loss_scale_factor = value
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        inner_config = self.inner_optimizer.get_config()
+        if not issubclass(self._wrapped_class, Aggregating):
+            del inner_config["aggregation_method"]
+        # Serialize the inner optimizer as the user's own class, so that
+        # loading needs nothing but Keras and tf_agn.
+        plain = self._wrapped_class.from_config(inner_config)
+        method = self.inner_optimizer.aggregation_method
+        return {
+            "name": self.name,
+            "optimizer": serialization_lib.serialize_keras_object(plain),
+            "aggregation": None if method is None else method.value,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["optimizer"] = serialization_lib.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)
+
