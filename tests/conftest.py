@@ -15,3 +15,9 @@ DEVICES = split_cpu(NUM_REPLICAS)
 @pytest.fixture
 def devices():
     return list(DEVICES)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: long end-to-end tests (deselect with -m 'not slow')"
+    )

@@ -8,42 +8,14 @@ import tensorflow as tf
 import tf_agn
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
+from mlp import BATCH
+from mlp import LEARNING_RATE
+from mlp import METHODS
+from mlp import build_mlp
+from mlp import data
+from mlp import initial_params
 from reference import sgd_trajectory
 from tf_agn.optimizers import DistributedOptimizer
-
-BATCH = 16
-LEARNING_RATE = 0.1
-METHODS = ["sum", "mean", "only_first_replica", "none"]
-
-
-def data(steps=3, seed=0):
-    rng = np.random.RandomState(seed)
-    x = rng.randn(BATCH * steps, 3).astype("float32")
-    y = np.stack([np.sin(x.sum(1)), x[:, 0] * x[:, 1]], 1).astype("float32")
-    return x, y
-
-
-def initial_params(seed=1):
-    rng = np.random.RandomState(seed)
-    return [
-        rng.randn(3, 4).astype("float32") * 0.5,
-        rng.randn(4).astype("float32") * 0.1,
-        rng.randn(4, 2).astype("float32") * 0.5,
-        rng.randn(2).astype("float32") * 0.1,
-    ]
-
-
-def build_mlp(params):
-    model = keras.Sequential(
-        [
-            keras.Input((3,)),
-            keras.layers.Dense(4, activation="tanh"),
-            keras.layers.Dense(2),
-        ]
-    )
-    model.set_weights(params)
-    return model
-
 
 def fit_mlp(strategy, optimizer_fn, steps=3, **fit_kwargs):
     x, y = data(steps)
@@ -306,3 +278,41 @@ def test_bad_inputs_raise_clear_errors():
         DistributedOptimizer(tf.Module())
     with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
         DistributedOptimizer("sgd")
+
+
+@pytest.mark.parametrize("method", ["mean", "only_first_replica", "none"])
+def test_steps_per_execution_under_mirrored_strategy(method):
+    # Stock Keras 3.15 fails here (keras-team/keras#19246). Our update path
+    # updates each replica's copy in replica context, so the step's tf.cond
+    # holds no cross-device update.
+    x, y = data(4)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = build_mlp(initial_params())
+        model.compile(
+            tf_agn.optimizers.SGD(LEARNING_RATE, aggregation_method=method),
+            loss="mse",
+            steps_per_execution=2,
+        )
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert_replicas_close(model, expected(method, steps=4))
+
+
+@pytest.mark.parametrize(
+    "method, compression, calls, bytes_per_element",
+    [
+        ("mean", None, 3, 4),
+        ("only_first_replica", None, 3, 4),
+        ("sum", "fp16", 3, 2),
+        ("none", None, 0, 0),
+    ],
+)
+def test_communication_stats(method, compression, calls, bytes_per_element):
+    model = fit_mlp(
+        tf_agn.strategies.mirrored(DEVICES, compression=compression),
+        lambda: DistributedOptimizer(keras.optimizers.SGD(LEARNING_RATE), method),
+    )
+    num_elements = sum(p.size for p in initial_params())
+    assert model.optimizer.communication_stats() == {
+        "all_reduce_calls": calls,
+        "bytes_sent": calls * num_elements * bytes_per_element,
+    }

@@ -26,7 +26,7 @@ def default_aggregation(strategy):
     return ops.aggregation if ops is not None else AggregationMethod.MEAN
 
 
-def aggregate_gradients(gradients, method):
+def aggregate_gradients(gradients, method, counter=None):
     """Combines this replica's gradients with the other replicas'.
 
     Call it in replica context, from inside `strategy.run` (Keras'
@@ -35,55 +35,78 @@ def aggregate_gradients(gradients, method):
     replica's gradient arrives as g_r / n. This function undoes that, so
     that MEAN is the mean of the per-replica gradients g_r and SUM their sum.
 
-    Under tf_agn's `AggregatingAllReduce` the combination is one packed,
-    compiled reduction. Under any other cross-device ops (for example
-    `MultiWorkerMirroredStrategy`'s collectives or a `TPUStrategy`) it is
-    `replica_context.all_reduce(SUM)` of weighted gradients; ONLY_FIRST_REPLICA
-    weighs replica 0 by n and the others by 0.
-
     Args:
         gradients: this replica's gradients; None entries pass through.
         method: an `AggregationMethod` or its name.
+        counter: an optional `tf_agn.CommunicationCounter` to record in.
 
     Returns:
-        The combined gradients, in the same structure. With NONE they are this
-        replica's own, and nothing is communicated.
+        The combined gradients, as `aggregate` returns them.
+    """
+    context = tf.distribute.get_replica_context()
+    num_replicas = 1 if context is None else context.num_replicas_in_sync
+    return aggregate(gradients, method, num_replicas, counter)
+
+
+def aggregate(values, method, value_scale=1, counter=None):
+    """Combines this replica's values with the other replicas'.
+
+    Call it in replica context. Every value is multiplied by `value_scale`
+    first. Under tf_agn's `AggregatingAllReduce` the combination is one
+    packed, compiled reduction, with the scale folded in. Under any other
+    cross-device ops (for example `MultiWorkerMirroredStrategy`'s
+    collectives) it is `replica_context.all_reduce(SUM)` of weighted values;
+    ONLY_FIRST_REPLICA weighs replica 0 by `value_scale` and the others by 0.
+
+    Args:
+        values: this replica's tensors or `tf.IndexedSlices`; None entries
+            pass through.
+        method: an `AggregationMethod` or its name.
+        value_scale: a Python number every value is multiplied by.
+        counter: an optional `tf_agn.CommunicationCounter` to record in.
+
+    Returns:
+        The combined values, in the same structure. With NONE they are this
+        replica's own (scaled), and nothing is communicated.
     """
     method = AggregationMethod.parse(method)
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return list(gradients)
-    num_replicas = context.num_replicas_in_sync
-    present = [i for i, g in enumerate(gradients) if g is not None]
-    values = [gradients[i] for i in present]
+        if value_scale == 1:
+            return list(values)
+        return [v if v is None else scale_value(v, value_scale) for v in values]
+    present = [i for i, v in enumerate(values) if v is not None]
+    tensors = [values[i] for i in present]
     ops = tf_agn_ops(context.strategy)
+    if counter is not None:
+        counter.record(tensors, method, ops)
     if method is AggregationMethod.NONE:
-        combined = [scale_value(g, num_replicas) for g in values]
+        combined = [scale_value(v, value_scale) for v in tensors]
     elif ops is not None:
         combined = context.merge_call(
-            lambda _, *vs: ops.aggregate(method, vs, value_scale=num_replicas),
-            args=tuple(values),
+            lambda _, *vs: ops.aggregate(method, vs, value_scale=value_scale),
+            args=tuple(tensors),
         )
     else:
-        weight = _replica_weight(method, context, num_replicas)
+        weight = _replica_weight(method, context, value_scale)
         combined = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, [scale_value(g, weight) for g in values]
+            tf.distribute.ReduceOp.SUM, [scale_value(v, weight) for v in tensors]
         )
-    result = list(gradients)
+    result = list(values)
     for index, value in zip(present, combined):
         result[index] = value
     return result
 
 
-def _replica_weight(method, context, num_replicas):
-    """This replica's weight in a SUM that realizes `method`, given the
-    Keras 1/n loss scaling."""
+def _replica_weight(method, context, value_scale):
+    """This replica's weight in a SUM that realizes `method`."""
+    num_replicas = context.num_replicas_in_sync
     if method is AggregationMethod.SUM:
-        return num_replicas
+        return value_scale
     if method is AggregationMethod.MEAN:
-        return 1
+        return value_scale / num_replicas
     is_first = tf.equal(context.replica_id_in_sync_group, 0)
-    return tf.cast(is_first, tf.float32) * num_replicas
+    return tf.cast(is_first, tf.float32) * value_scale
 
 
 def replica_weights(model_or_variables):

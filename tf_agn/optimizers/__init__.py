@@ -1,5 +1,6 @@
 """tf_agn's Keras 3 optimizers."""
 
+from tf_agn.optimizers.agn import AGN
 from tf_agn.optimizers.aggregating import SGD
 from tf_agn.optimizers.aggregating import Adam
 from tf_agn.optimizers.aggregating import AdamW

@@ -7,6 +7,7 @@ import keras
 from keras.src.optimizers import base_optimizer
 
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.communication import CommunicationCounter
 from tf_agn.replicas import aggregate_gradients
 from tf_agn.replicas import default_aggregation
 
@@ -61,6 +62,23 @@ class Aggregating:
             return self.aggregation_method
         return default_aggregation(self._distribution_strategy)
 
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._communication = CommunicationCounter(self)
+
+    def communication_stats(self):
+        """What this optimizer's aggregations sent so far.
+
+        Returns:
+            `{"all_reduce_calls": int, "bytes_sent": int}`; see
+            `tf_agn.CommunicationCounter` for what counts.
+        """
+        if not self.built:
+            return {"all_reduce_calls": 0, "bytes_sent": 0}
+        return self._communication.result()
+
     def _clip_gradients(self, grads):
         # Keras clips before it all-reduces; we clip the combined gradient
         # in `_backend_update_step` instead.
@@ -72,7 +90,9 @@ class Aggregating:
         base_optimizer.BaseOptimizer._apply_weight_decay(self, variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        grads = aggregate_gradients(grads, self.resolved_aggregation)
+        grads = aggregate_gradients(
+            grads, self.resolved_aggregation, self._communication
+        )
         grads = base_optimizer.BaseOptimizer._clip_gradients(self, grads)
         base_optimizer.BaseOptimizer._backend_update_step(
             self, grads, trainable_variables, learning_rate

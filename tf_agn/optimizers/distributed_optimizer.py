@@ -86,6 +86,10 @@ class DistributedOptimizer(keras_optimizer.Optimizer):
         """The `AggregationMethod` in force."""
         return self.inner_optimizer.resolved_aggregation
 
+    def communication_stats(self):
+        """See `tf_agn.optimizers.Aggregating.communication_stats`."""
+        return self.inner_optimizer.communication_stats()
+
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         super().build(var_list)

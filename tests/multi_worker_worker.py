@@ -1,0 +1,222 @@
+"""One worker of the 2-process `MultiWorkerMirroredStrategy` test.
+
+tests/test_multi_worker.py starts two of these, each with its own
+`TF_CONFIG` (task index i). It is not a test module: it must not import
+conftest, which splits the CPU into 4 logical devices; each worker keeps
+its single CPU, so it runs exactly one replica.
+
+Usage: python multi_worker_worker.py INPUTS.npz MODEL.keras OUT_DIR
+
+INPUTS.npz holds the global data `x`, `y`, the global `batch_size`, the
+`learning_rate` and the `methods` to train with; MODEL.keras is the test MLP
+with its initial weights. For every method the worker loads the model in
+the strategy's scope, compiles it with `tf_agn.optimizers.SGD`, fits one
+epoch and records its own copy of the final weights. It writes
+OUT_DIR/worker<i>.npz with:
+
+    task_index, num_replicas_in_sync, num_local_replicas, replica_id:
+        what the strategy says this worker is;
+    uses_tf_agn_ops: whether the strategy has tf_agn's cross-device ops
+        (it should not: the optimizers take their all_reduce fallback);
+    rows: (steps, per_replica_batch) indices into `x` of the rows this
+        worker's replica received, step by step, read through `strategy.run`
+        from the same distributed dataset `fit` consumes;
+    <method>/<i>: the i-th final weight array after training with <method>.
+
+Sharding is explicit: through `distribute_datasets_from_function`, input
+pipeline p yields, for every global batch, its p-th consecutive slice of
+`batch_size / num_replicas_in_sync` rows, so replica p sees what
+tests/reference.py's `sgd_trajectory` gives replica p.
+
+Each worker logs its progress to stdout and, once every worker's results
+are on disk, exits without TensorFlow's slow cluster shutdown.
+"""
+
+import json
+import os
+import sys
+import time
+
+START = time.monotonic()
+
+
+def log(message):
+    """Progress lines for the log the test shows when a worker fails."""
+    print(f"[{time.monotonic() - START:6.1f} s] {message}", flush=True)
+
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# The strategy must exist before any other TensorFlow op runs.
+log("TensorFlow imported")
+STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+log("cluster up")
+
+import keras  # noqa: E402
+
+import tf_agn  # noqa: E402
+from tf_agn.replicas import tf_agn_ops  # noqa: E402
+
+
+def patch_reduce_for_keras(strategy):
+    """Works around two Keras 3 `fit` failures under MultiWorkerMirroredStrategy
+    (keras-team/keras#20585, tensorflow/tensorflow#72388).
+
+    1. `_maybe_symbolic_build` reduces the first (x, y) batch with one
+       `strategy.reduce("MEAN", batch, axis=None)`. MirroredStrategy maps
+       that over the nest; MultiWorkerMirroredStrategy's `_reduce_to` does
+       not ("Attempt to convert a value (PerReplica...) with an unsupported
+       type to a Tensor").
+    2. `reduce_per_replica` reduces every per-replica log (the scalar loss)
+       with `strategy.reduce("MEAN", v, axis=0)`, which fails on a scalar
+       ("Invalid reduction dimension 0 for input with 0 dimensions").
+
+    This strategy's `reduce` therefore takes nests leaf by leaf and reduces
+    scalars across replicas only, as Keras does for them under
+    MirroredStrategy. Neither call touches gradients or weights: those go
+    through the optimizer's `aggregate_gradients`, which this test checks.
+    """
+    reduce = strategy.reduce
+
+    def reduce_leaf(reduce_op, value, axis):
+        if axis is not None:
+            (local,) = strategy.experimental_local_results(value)[:1]
+            if local.shape.rank == 0:
+                axis = None
+        return reduce(reduce_op, value, axis=axis)
+
+    def patched_reduce(reduce_op, value, axis=None):
+        return tf.nest.map_structure(
+            lambda leaf: reduce_leaf(reduce_op, leaf, axis), value
+        )
+
+    strategy.reduce = patched_reduce
+
+
+def shard_indices(num_rows, batch_size, num_pipelines, pipeline_id):
+    """Row indices, step by step, of `pipeline_id`'s slice of each global
+    batch: consecutive slices, as MirroredStrategy splits a batch."""
+    if batch_size % num_pipelines or num_rows % batch_size:
+        raise ValueError(
+            f"{num_rows} rows do not split into global batches of "
+            f"{batch_size} over {num_pipelines} pipelines."
+        )
+    per_replica = batch_size // num_pipelines
+    starts = np.arange(0, num_rows, batch_size) + pipeline_id * per_replica
+    return starts[:, None] + np.arange(per_replica)[None, :]
+
+
+def distributed_dataset(strategy, x, y, batch_size):
+    def dataset_fn(context):
+        if context.num_input_pipelines != strategy.num_replicas_in_sync:
+            raise RuntimeError(
+                f"{context.num_input_pipelines} input pipelines for "
+                f"{strategy.num_replicas_in_sync} replicas: each pipeline "
+                "must feed exactly one replica."
+            )
+        per_replica = context.get_per_replica_batch_size(batch_size)
+        rows = shard_indices(
+            len(x), batch_size, context.num_input_pipelines,
+            context.input_pipeline_id,
+        ).reshape(-1)
+        dataset = tf.data.Dataset.from_tensor_slices((x[rows], y[rows]))
+        return dataset.batch(per_replica, drop_remainder=True)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def rows_seen(strategy, dataset, x):
+    """The replica id and the indices into `x` of the rows this worker's
+    replica receives from `dataset`, step by step, through `strategy.run`
+    as Keras' train step receives them."""
+
+    def probe(inputs, _):
+        context = tf.distribute.get_replica_context()
+        return tf.convert_to_tensor(context.replica_id_in_sync_group), inputs
+
+    replica_ids, steps = set(), []
+    for batch in dataset:
+        ids, inputs = strategy.run(probe, args=batch)
+        ids = strategy.experimental_local_results(ids)
+        inputs = strategy.experimental_local_results(inputs)
+        if len(ids) != 1:
+            raise RuntimeError(f"{len(ids)} local replicas; expected 1.")
+        replica_ids.add(int(ids[0].numpy()))
+        indices = []
+        for row in inputs[0].numpy():
+            (match,) = np.nonzero((x == row).all(axis=1))
+            if len(match) != 1:
+                raise RuntimeError(f"row {row} is not one row of x")
+            indices.append(int(match[0]))
+        steps.append(indices)
+    if len(replica_ids) != 1:
+        raise RuntimeError(f"replica ids changed between steps: {replica_ids}")
+    return replica_ids.pop(), np.array(steps)
+
+
+def main(inputs_path, model_path, out_dir):
+    strategy = STRATEGY
+    patch_reduce_for_keras(strategy)
+    task_index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    inputs = np.load(inputs_path)
+    x, y = inputs["x"], inputs["y"]
+    batch_size = int(inputs["batch_size"])
+    learning_rate = float(inputs["learning_rate"])
+    methods = [str(m) for m in inputs["methods"]]
+
+    dataset = distributed_dataset(strategy, x, y, batch_size)
+    replica_id, rows = rows_seen(strategy, dataset, x)
+    log(f"replica {replica_id} of {strategy.num_replicas_in_sync}, rows {rows.tolist()}")
+    result = {
+        "task_index": task_index,
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "num_local_replicas": len(strategy.extended.worker_devices),
+        "replica_id": replica_id,
+        "rows": rows,
+        # The optimizer's all_reduce fallback, not tf_agn's own ops.
+        "uses_tf_agn_ops": tf_agn_ops(strategy) is not None,
+    }
+    for method in methods:
+        with strategy.scope():
+            model = keras.models.load_model(model_path, compile=False)
+            model.compile(
+                optimizer=tf_agn.optimizers.SGD(
+                    learning_rate, aggregation_method=method
+                ),
+                loss="mse",
+            )
+        model.fit(dataset, epochs=1, verbose=0)
+        log(f"trained with {method}")
+        (weights,) = tf_agn.replica_weights(model)  # this worker's one copy
+        for i, array in enumerate(weights):
+            result[f"{method}/{i}"] = array
+
+    path = os.path.join(out_dir, f"worker{task_index}.npz")
+    np.savez(path + ".partial.npz", **result)
+    os.replace(path + ".partial.npz", path)
+    log(f"wrote {path}")
+    wait_for_peers(out_dir)
+
+
+def wait_for_peers(out_dir, timeout=60):
+    """Returns once every worker has written its results, so that no peer
+    can still need this worker's collectives (or after `timeout` s)."""
+    num_workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    paths = [os.path.join(out_dir, f"worker{i}.npz") for i in range(num_workers)]
+    deadline = time.monotonic() + timeout
+    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    main(*sys.argv[1:])
+    # Results are on disk and every peer is done with this one. Shutting the
+    # gRPC server and collective executor down at exit takes seconds: skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

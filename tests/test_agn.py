@@ -1,0 +1,222 @@
+"""AGN under a real 4-replica MirroredStrategy, against numpy references."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from conftest import DEVICES
+from conftest import NUM_REPLICAS
+from mlp import BATCH
+from mlp import LEARNING_RATE
+from mlp import build_mlp
+from mlp import data
+from mlp import initial_params
+from reference import sgd_trajectory
+from tf_agn.optimizers import AGN
+
+SHARD = BATCH // NUM_REPLICAS
+
+
+def linear_data(steps, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(BATCH * steps, 3)
+    y = x @ rng.randn(3, 2) + 0.1 * rng.randn(BATCH * steps, 2)
+    return x.astype("float32"), y.astype("float32")
+
+
+def linear_model(kernel, bias):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([kernel, bias])
+    return model
+
+
+def linear_gradients(kernel, bias, x, y):
+    """Closed-form gradients of the mean squared error of x @ kernel + bias."""
+    residual = x @ kernel + bias - y
+    scale = 2.0 / residual.size
+    return scale * x.T @ residual, scale * residual.sum(0)
+
+
+def agn_reference(x, y, method, local_steps, steps, normalize=True):
+    """Per-replica weights after each step, and the center after each, of
+    AGN with SGD(LEARNING_RATE) inside and SGD(1.0) outside."""
+    rng = np.random.RandomState(1)
+    center = [rng.randn(3, 2) * 0.5, rng.randn(2) * 0.1]
+    replicas = [list(center) for _ in range(NUM_REPLICAS)]
+    history = []
+    for step in range(steps):
+        for r in range(NUM_REPLICAS):
+            rows = slice(step * BATCH + r * SHARD, step * BATCH + (r + 1) * SHARD)
+            grads = linear_gradients(*replicas[r], x[rows], y[rows])
+            replicas[r] = [w - LEARNING_RATE * g for w, g in zip(replicas[r], grads)]
+        if (step + 1) % local_steps == 0:
+            divisor = local_steps if normalize else 1
+            deltas = [[(w - c) / divisor for w, c in zip(weights, center)] for weights in replicas]
+            stacked = [np.stack(parts) for parts in zip(*deltas)]
+            combined = {
+                "mean": [s.mean(0) for s in stacked],
+                "sum": [s.sum(0) for s in stacked],
+                "only_first_replica": [s[0] for s in stacked],
+            }[method]
+            center = [c + d for c, d in zip(center, combined)]
+            replicas = [list(center) for _ in range(NUM_REPLICAS)]
+        history.append(([list(w) for w in replicas], list(center)))
+    return history
+
+
+def initial_linear():
+    rng = np.random.RandomState(1)
+    return (rng.randn(3, 2) * 0.5).astype("float32"), (rng.randn(2) * 0.1).astype("float32")
+
+
+class RecordStates(keras.callbacks.Callback):
+    """Records every replica's weights and the center after each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        centers = [c.numpy() for c in self.model.optimizer.center_variables]
+        self.states.append((tf_agn.replica_weights(self.model), centers))
+
+
+def train_linear(method, local_steps, steps, normalize=True, strategy=None):
+    """Fits one epoch; returns the model and the state after each step."""
+    strategy = strategy or tf_agn.strategies.mirrored(DEVICES)
+    x, y = linear_data(steps)
+    with strategy.scope():
+        model = linear_model(*initial_linear())
+        model.compile(
+            AGN(
+                keras.optimizers.SGD(LEARNING_RATE),
+                local_steps=local_steps,
+                aggregation=method,
+                normalize=normalize,
+            ),
+            loss="mse",
+        )
+    record = RecordStates()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[record])
+    return model, record.states
+
+
+@pytest.mark.parametrize("method", ["mean", "sum"])
+def test_three_local_steps_match_hand_computed_reference(method):
+    steps = 6
+    x, y = linear_data(steps)
+    reference = agn_reference(x, y, method, local_steps=3, steps=steps)
+    _, states = train_linear(method, 3, steps)
+    for step, (replicas, center) in enumerate(states):
+        want_replicas, want_center = reference[step]
+        for r in range(NUM_REPLICAS):
+            for got, want in zip(replicas[r], want_replicas[r]):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} replica {r}")
+        for got, want in zip(center, want_center):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} center")
+        if step % 3 != 2:  # mid-window: the replicas explore apart
+            assert not np.allclose(replicas[0][0], replicas[1][0])
+
+
+def test_one_local_step_is_synchronous_sgd():
+    x, y = data(steps=3)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = build_mlp(initial_params())
+        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=1), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    reference = sgd_trajectory(initial_params(), x, y, "mean", NUM_REPLICAS, BATCH, LEARNING_RATE)
+    for copy, want in zip(tf_agn.replica_weights(model), reference):
+        for got, expected in zip(copy, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_unnormalized_commit_is_lambda_times_larger():
+    local_steps = 4
+    start = initial_linear()
+    _, [*_, (_, normalized)] = train_linear("mean", local_steps, local_steps)
+    _, [*_, (_, unnormalized)] = train_linear(
+        "mean", local_steps, local_steps, normalize=False
+    )
+    for s, n, u in zip(start, normalized, unnormalized):
+        np.testing.assert_allclose(u - s, local_steps * (n - s), rtol=1e-4, atol=1e-6)
+
+
+def test_bytes_sent_scale_as_one_over_local_steps():
+    stats = {}
+    for local_steps in (1, 4):
+        model, _ = train_linear("mean", local_steps, 12)
+        stats[local_steps] = model.optimizer.communication_stats()
+    num_elements = 3 * 2 + 2
+    assert stats[1] == {"all_reduce_calls": 12, "bytes_sent": 12 * num_elements * 4}
+    assert stats[4] == {"all_reduce_calls": 3, "bytes_sent": 3 * num_elements * 4}
+
+
+def test_without_strategy_local_steps_then_outer_step():
+    steps = 4
+    x, y = linear_data(steps)
+    start = initial_linear()
+    weights = [w.astype("float64") for w in start]
+    for step in range(steps):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        grads = linear_gradients(*weights, x[rows], y[rows])
+        weights = [w - LEARNING_RATE * g for w, g in zip(weights, grads)]
+    # One replica, one window of 4: the center moves by (θ - θ_c) / 4.
+    expected_center = [s + (w - s) / 4 for s, w in zip(start, weights)]
+    _, [*_, (replicas, center)] = train_linear(
+        "mean", 4, steps, strategy=tf.distribute.get_strategy()
+    )
+    for got, want in zip(center, expected_center):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(replicas[0], expected_center):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_commits_a_partial_window_at_the_end():
+    x, y = linear_data(5)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = linear_model(*initial_linear())
+        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    copies = tf_agn.replica_weights(model)
+    centers = [c.numpy() for c in model.optimizer.center_variables]
+    for copy in copies:
+        for got, want in zip(copy, centers):
+            np.testing.assert_array_equal(got, want)
+    assert model.optimizer.communication_stats()["all_reduce_calls"] == 2
+
+
+def test_config_round_trip():
+    optimizer = AGN(
+        keras.optimizers.Adam(1e-3),
+        local_steps=8,
+        aggregation="sum",
+        outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True),
+        normalize=False,
+        reset_inner_state=True,
+    )
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert isinstance(restored, AGN)
+    assert restored.local_steps == 8
+    assert restored.aggregation is tf_agn.AggregationMethod.SUM
+    assert not restored.normalize and restored.reset_inner_state
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+    assert restored.outer_optimizer.nesterov and restored.outer_optimizer.momentum == 0.9
+    assert restored.get_config() == optimizer.get_config()
+
+
+@pytest.mark.parametrize("local_steps", [0, -2, 2.5, True, "3", None])
+def test_bad_local_steps(local_steps):
+    with pytest.raises(ValueError, match="local_steps must be an int >= 1"):
+        AGN(keras.optimizers.SGD(), local_steps=local_steps)
+
+
+def test_bad_optimizers_and_outer_learning_rate():
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        AGN(object(), local_steps=2)
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        AGN(keras.optimizers.SGD(), local_steps=2, outer_optimizer="sgd")
+    for rate in (0.0, -1.0):
+        with pytest.raises(ValueError, match="outer optimizer's learning rate must be > 0"):
+            AGN(keras.optimizers.SGD(), local_steps=2, outer_optimizer=keras.optimizers.SGD(rate))

@@ -1,0 +1,48 @@
+"""Packaging: `strategies/` installs as `tf_agn.strategies`, never as a
+top-level module, and the README's commands are the ones CI runs."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_plain_install_maps_strategies_into_the_package(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "-q", "--target", str(target), ROOT],
+        check=True,
+        cwd=tmp_path,
+    )
+    assert (target / "tf_agn" / "strategies" / "mirrored.py").is_file()
+    assert not (target / "strategies").exists()
+    probe = (
+        "import tf_agn.strategies as s, tf_agn.optimizers as o;"
+        "print(s.__file__); print(o.__file__)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(target), TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env,
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    assert all(path.startswith(str(target)) for path in out), out
+
+
+def test_source_checkout_attaches_strategies():
+    import tf_agn
+    import tf_agn.strategies
+
+    assert tf_agn.strategies.__file__ == os.path.join(ROOT, "strategies", "__init__.py")
+    assert tf_agn.strategies.mirrored.__module__ == "tf_agn.strategies.mirrored"
+
+
+def test_readme_commands_are_what_ci_runs():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    commands = re.findall(r"^pip install .*$", readme, flags=re.MULTILINE)
+    assert len(commands) == 2, commands
+    test_command = next(c for c in commands if "pytest" in c)
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert test_command in ci
