@@ -220,3 +220,54 @@ def test_bad_optimizers_and_outer_learning_rate():
     for rate in (0.0, -1.0):
         with pytest.raises(ValueError, match="outer optimizer's learning rate must be > 0"):
             AGN(keras.optimizers.SGD(), local_steps=2, outer_optimizer=keras.optimizers.SGD(rate))
+
+
+def test_validation_mid_window_uses_the_center():
+    # λ = 4 and 2 steps: validation runs mid-window, before any commit, so
+    # the center is still the initial weights.
+    x, y = linear_data(2)
+    x_val, y_val = linear_data(1, seed=5)
+    kernel, bias = initial_linear()
+    expected_loss = np.mean((x_val @ kernel + bias - y_val) ** 2)
+
+    def run(callbacks):
+        with tf_agn.strategies.mirrored(DEVICES).scope():
+            model = linear_model(kernel, bias)
+            model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse")
+        history = model.fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0,
+            validation_data=(x_val, y_val), validation_batch_size=BATCH,
+            callbacks=callbacks,
+        )
+        return history.history["val_loss"][0], model.get_weights()
+
+    at_center, weights = run([tf_agn.callbacks.EvaluateAtCenter()])
+    on_replicas, reference_weights = run([])
+    np.testing.assert_allclose(at_center, expected_loss, rtol=1e-5)
+    assert abs(on_replicas - expected_loss) > 1e-3
+    # The swaps are exact: training ends where it would without them.
+    for got, want in zip(weights, reference_weights):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_communication_logger_reaches_the_history():
+    x, y = linear_data(8)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = linear_model(*initial_linear())
+        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse")
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        callbacks=[tf_agn.callbacks.CommunicationLogger()],
+    )
+    assert history.history["all_reduce_calls"] == [2, 4]
+    assert history.history["bytes_sent"] == [2 * 8 * 4, 4 * 8 * 4]
+
+
+def test_callbacks_refuse_other_optimizers():
+    model = linear_model(*initial_linear())
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    x, y = linear_data(1)
+    with pytest.raises(ValueError, match="EvaluateAtCenter needs"):
+        model.evaluate(x, y, verbose=0, callbacks=[tf_agn.callbacks.EvaluateAtCenter()])
+    with pytest.raises(ValueError, match="CommunicationLogger needs"):
+        model.fit(x, y, verbose=0, callbacks=[tf_agn.callbacks.CommunicationLogger()])

@@ -110,6 +110,7 @@ class AGN(DistributedOptimizer):
         self.outer_optimizer = outer_optimizer
         self.normalize = bool(normalize)
         self.reset_inner_state = bool(reset_inner_state)
+        self._swap_function = None
 
     @property
     def aggregation(self):
@@ -214,6 +215,34 @@ class AGN(DistributedOptimizer):
         }
         return [v for v in inner.variables if id(v) not in counters]
 
+    def swap_weights_and_center(self):
+        """Exchanges every replica's copy of the weights with the center.
+
+        Called twice, it restores both exactly. `tf_agn.callbacks.
+        EvaluateAtCenter` uses it so that evaluation and prediction mid-window
+        see θ_c, not each replica's exploration.
+        """
+        if not self.built:
+            return
+        if self._swap_function is None:
+            self._swap_function = self._in_replica_context(self._swap)
+        self._swap_function()
+
+    def _in_replica_context(self, fn):
+        """Returns a graph function that runs `fn` on every replica."""
+        # `strategy.run` goes inside the tf.function, as TensorFlow requires
+        # for functions that synchronize replicas.
+        return tf.function(lambda: self._distribution_strategy.run(fn))
+
+    def _swap(self):
+        # In replica context each assign writes this replica's copy only.
+        for variable, center in zip(self._trainable_variables, self._centers):
+            # `tf.identity` takes a snapshot; a converted variable would be
+            # read only when used, after the assign below.
+            local = tf.identity(variable.value)
+            variable.assign(center)
+            center.assign(local)
+
     def finalize_variable_values(self, var_list):
         """Commits a partial window at the end of `fit`."""
         if self.built:
@@ -221,7 +250,7 @@ class AGN(DistributedOptimizer):
                 self.inner_optimizer.iterations.numpy() % self.local_steps
             )
             if steps_into_window:
-                self._distribution_strategy.run(tf.function(self._commit))
+                self._in_replica_context(self._commit)()
         super().finalize_variable_values(var_list)
 
     def get_config(self):

@@ -1,0 +1,72 @@
+"""Keras callbacks for tf_agn's optimizers."""
+
+import keras
+
+from tf_agn.optimizers.agn import AGN
+
+
+def _unwrap(optimizer, cls):
+    """Finds the `cls` optimizer inside wrappers such as LossScaleOptimizer."""
+    while optimizer is not None and not isinstance(optimizer, cls):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer
+
+
+class EvaluateAtCenter(keras.callbacks.Callback):
+    """Evaluates and predicts with AGN's center weights, not replica copies.
+
+    Mid-window, every replica's copy of the weights holds its own local
+    exploration. This callback swaps the center θ_c into the model before
+    evaluation (also `fit`'s validation) and prediction, and swaps the
+    replicas' copies back afterwards, exactly, so training goes on as if
+    nothing happened. It plays the role Keras' `SwapEMAWeights` plays for
+    EMA weights.
+
+    Example:
+
+    ```python
+    model.fit(x, y, validation_data=(x_val, y_val),
+              callbacks=[tf_agn.callbacks.EvaluateAtCenter()])
+    model.evaluate(x_val, y_val, callbacks=[tf_agn.callbacks.EvaluateAtCenter()])
+    ```
+
+    Raises:
+        ValueError: when the model's optimizer is not (and does not wrap)
+            `tf_agn.optimizers.AGN`.
+    """
+
+    def _agn(self):
+        agn = _unwrap(self.model.optimizer, AGN)
+        if agn is None:
+            raise ValueError(
+                "EvaluateAtCenter needs a model compiled with "
+                "tf_agn.optimizers.AGN; its optimizer is "
+                f"{type(self.model.optimizer).__name__}."
+            )
+        return agn
+
+    def _swap(self, logs=None):
+        self._agn().swap_weights_and_center()
+
+    on_test_begin = on_test_end = _swap
+    on_predict_begin = on_predict_end = _swap
+
+
+class CommunicationLogger(keras.callbacks.Callback):
+    """Adds `all_reduce_calls` and `bytes_sent` to the epoch logs.
+
+    Put it before `TensorBoard`, `CSVLogger` or `History` readers in the
+    callback list, so that they see the two numbers.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = self.model.optimizer
+        while not hasattr(optimizer, "communication_stats"):
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+            if optimizer is None:
+                raise ValueError(
+                    "CommunicationLogger needs a tf_agn optimizer; the model "
+                    f"is compiled with {type(self.model.optimizer).__name__}."
+                )
+        if logs is not None:
+            logs.update(optimizer.communication_stats())
