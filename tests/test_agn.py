@@ -271,3 +271,73 @@ def test_callbacks_refuse_other_optimizers():
         model.evaluate(x, y, verbose=0, callbacks=[tf_agn.callbacks.EvaluateAtCenter()])
     with pytest.raises(ValueError, match="CommunicationLogger needs"):
         model.fit(x, y, verbose=0, callbacks=[tf_agn.callbacks.CommunicationLogger()])
+
+
+def test_save_mid_window_resumes_from_replica_zero(tmp_path):
+    # Documented behaviour: a .keras file saved mid-window holds replica 0's
+    # copy of the weights and of the inner state, the center and the window
+    # position; after loading, every replica continues the window from
+    # replica 0's copy.
+    x, y = linear_data(8)
+    path = str(tmp_path / "agn.keras")
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+
+    class SaveAfterFiveSteps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch != 4:
+                return
+            copies = tf_agn.replica_weights(self.model)
+            assert not np.allclose(copies[0][0], copies[1][0])  # mid-window
+            self.model.save(path)
+            # Then do to this model what loading does to the saved one.
+            for variable in self.model.weights + self.model.optimizer.variables:
+                variable.assign(variable.numpy())
+
+    with strategy.scope():
+        model = linear_model(*initial_linear())
+        model.compile(AGN(keras.optimizers.Adam(0.05), local_steps=4), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[SaveAfterFiveSteps()])
+
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    assert int(loaded.optimizer.iterations.numpy()) == 5
+    loaded.fit(x[5 * BATCH :], y[5 * BATCH :], batch_size=BATCH, shuffle=False, verbose=0)
+    for got, want in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    for got, want in zip(loaded.optimizer.center_variables, model.optimizer.center_variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["mean", "sum"])
+def test_steps_per_execution_under_mirrored_strategy(method):
+    steps = 6
+    x, y = linear_data(steps)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = linear_model(*initial_linear())
+        model.compile(
+            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3, aggregation=method),
+            loss="mse",
+            steps_per_execution=2,
+        )
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    replicas, center = agn_reference(x, y, method, local_steps=3, steps=steps)[-1]
+    for copy in tf_agn.replica_weights(model):
+        for got, want in zip(copy, center):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = linear_data(6)
+        with tf_agn.strategies.mirrored(DEVICES).scope():
+            model = linear_model(*initial_linear())
+            model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    _, center = agn_reference(x, y, "mean", local_steps=3, steps=6)[-1]
+    for copy in tf_agn.replica_weights(model):
+        for got, want in zip(copy, center):
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=3e-3)
