@@ -1,9 +1,9 @@
 """BUILD has a target for every test file and example, and each is wired right.
 
-BUILD is read by running it as Python with stand-ins for Bazel's functions,
+BUILD is read by running it as Python with stand-ins for Bazel's rules,
 so this needs no Bazel. Under `bazel test //:test_build_targets` it reads the
 runfiles, whose `data` globs hold the current test files and examples.
-A failure prints the stanza to add to BUILD.
+A failure says what to add to BUILD.
 """
 
 import os
@@ -29,42 +29,25 @@ def _files(*patterns, exclude=()):
     return sorted(match(patterns) - match(exclude))
 
 
-class _Namespace(dict):
-    """Module namespace for BUILD: every unknown name is a recorded rule."""
-
-    def __init__(self, rules):
-        super().__init__(glob=lambda include, exclude=(), **_: _files(
-            *include, exclude=exclude))
-        self.rules = rules
-
-    def __missing__(self, kind):
-        def rule(*args, **attrs):
-            self.rules.append(dict(attrs, kind=kind, args_=args))
-
-        return rule
-
-
 def _rules(kind):
+    """Runs BUILD as Python with stand-ins for Bazel's functions."""
     rules = []
+
+    def recorder(rule_kind):
+        return lambda *args, **attrs: rules.append(
+            dict(attrs, kind=rule_kind, args_=args)
+        )
+
+    namespace = {
+        name: recorder(name)
+        for name in ("package", "py_library", "py_test", "py_binary")
+    }
+    namespace["glob"] = lambda include, exclude=(), **_: _files(
+        *include, exclude=exclude
+    )
     text = (ROOT / "BUILD").read_text(encoding="utf-8")
-    exec(compile(text, str(ROOT / "BUILD"), "exec"), {}, _Namespace(rules))
+    exec(compile(text, str(ROOT / "BUILD"), "exec"), namespace)
     return [r for r in rules if r["kind"] == kind]
-
-
-def _py_test_stanza(path):
-    name = pathlib.PurePosixPath(path).stem
-    return f'''
-py_test(
-    name = "{name}",
-    srcs = [
-        "{MAIN}",
-        "{path}",
-    ],
-    args = ["$(location {path})"],
-    main = "{MAIN}",
-    python_version = "PY3",
-    deps = [":test_support"],
-)'''
 
 
 def _py_binary_stanza(path):
@@ -82,8 +65,8 @@ py_binary(
 def test_every_test_file_has_a_py_test():
     covered = {src for rule in _rules("py_test") for src in rule["srcs"]}
     missing = [p for p in _files("tests/test_*.py") if p not in covered]
-    assert not missing, "Add to BUILD:\n" + "\n".join(
-        map(_py_test_stanza, missing))
+    names = [pathlib.PurePosixPath(p).stem for p in missing]
+    assert not missing, f"Add to BUILD's list of py_test names: {names}"
 
 
 def test_every_example_has_a_py_binary():

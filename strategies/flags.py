@@ -1,0 +1,121 @@
+"""The command-line flags that tf_agn's examples share, and the strategy
+they describe.
+
+Example:
+
+```python
+from absl import app
+import tf_agn
+
+tf_agn.strategies.define_flags()
+
+
+def main(argv):
+    strategy = tf_agn.strategies.strategy_from_flags()
+    with strategy.scope():
+        ...
+
+
+if __name__ == "__main__":
+    app.run(main)
+```
+
+`python my_example.py --aggregation=sum --cpu_replicas=4` then trains on
+4 logical CPU devices whose gradients are summed.
+"""
+
+from absl import flags
+import tensorflow as tf
+
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.strategies.mirrored import mirrored
+from tf_agn.strategies.mirrored import split_cpu
+
+# The flags belong to the module that calls `define_flags`, so that its
+# `--help` lists them (absl's `--help` shows the main module's flags only).
+flags.disclaim_key_flags()
+
+
+def define_flags(flag_values=flags.FLAGS):
+    """Defines `--aggregation`, `--num_replicas` and `--cpu_replicas`.
+
+    Safe to call more than once, for example from an example and from a
+    module it imports: a flag that is already defined stays as it is. Each
+    calling module lists the flags in its `--help`.
+
+    Args:
+        flag_values: the `absl.flags.FlagValues` to define them in.
+    """
+    _define(
+        flags.DEFINE_enum,
+        "aggregation",
+        "mean",
+        AggregationMethod.names(),
+        "How replicas combine their gradients (see tf_agn.AggregationMethod).",
+        flag_values=flag_values,
+    )
+    _define(
+        flags.DEFINE_integer,
+        "num_replicas",
+        0,
+        "How many devices to train on; 0 = all available.",
+        lower_bound=0,
+        flag_values=flag_values,
+    )
+    _define(
+        flags.DEFINE_integer,
+        "cpu_replicas",
+        4,
+        "Without a GPU, split the CPU into this many logical devices, so "
+        "there are replicas whose gradients to combine; 0 = do not split.",
+        lower_bound=0,
+        flag_values=flag_values,
+    )
+
+
+def _define(define, name, *args, flag_values, **kwargs):
+    # absl refuses to define a flag twice, which would break any two
+    # modules that both call `define_flags`.
+    if name not in flag_values:
+        define(name, *args, flag_values=flag_values, **kwargs)
+    flags.declare_key_flag(name, flag_values=flag_values)
+
+
+def strategy_from_flags(flag_values=flags.FLAGS):
+    """Returns the `MirroredStrategy` that the flags of `define_flags` ask for.
+
+    It replicates on every GPU or, without one, on the CPU split into
+    `--cpu_replicas` logical devices (one device if 0); `--num_replicas` > 0
+    keeps the first that many. Gradients are combined by `--aggregation`
+    (see `tf_agn.strategies.mirrored`).
+
+    Call it before anything else runs TensorFlow (building a model, creating
+    a tensor): the CPU can only be split before TensorFlow starts.
+
+    Args:
+        flag_values: the parsed `absl.flags.FlagValues` holding the flags.
+
+    Returns:
+        A `tf.distribute.MirroredStrategy`.
+
+    Raises:
+        ValueError: if `--num_replicas` exceeds the number of devices.
+        RuntimeError: if the CPU must be split but TensorFlow already runs
+            with a different number of CPU devices.
+    """
+    if tf.config.list_physical_devices("GPU"):
+        kind = "GPU"
+    else:
+        kind = "CPU"
+        if flag_values.cpu_replicas > 0:
+            split_cpu(flag_values.cpu_replicas)
+    devices = [device.name for device in tf.config.list_logical_devices(kind)]
+    num_replicas = flag_values.num_replicas or len(devices)
+    if num_replicas > len(devices):
+        hint = " Raise --cpu_replicas to split the CPU further."
+        raise ValueError(
+            f"--num_replicas={num_replicas} asks for more replicas than the "
+            f"{len(devices)} {kind} device(s) there are: "
+            f"{', '.join(devices)}.{hint if kind == 'CPU' else ''}"
+        )
+    return mirrored(devices[:num_replicas], aggregation=flag_values.aggregation)
