@@ -51,10 +51,32 @@ OPTIMIZERS = {
     "adam": (tf_agn.optimizers.Adam, 4e-3),
     "sgd": (tf_agn.optimizers.SGD, 0.3),
 }
-flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Optimizer.")
+flags.DEFINE_enum(
+    "optimizer",
+    "adam",
+    [*OPTIMIZERS, "agn"],
+    "Optimizer; agn runs --inner_optimizer locally and commits every "
+    "--local_steps steps.",
+)
 flags.DEFINE_float(
     "learning_rate", None, "Learning rate; default: the optimizer's own."
 )
+flags.DEFINE_enum(
+    "inner_optimizer", "adam", list(OPTIMIZERS), "AGN's local optimizer."
+)
+flags.DEFINE_integer("local_steps", 8, "AGN: local steps per commit (λ).", 1)
+flags.DEFINE_float(
+    "outer_learning_rate",
+    1.0,
+    "AGN: learning rate of the outer SGD that applies the combined, "
+    "normalized commit to the center.",
+)
+flags.DEFINE_float(
+    "outer_momentum",
+    0.0,
+    "AGN: momentum of the outer SGD (0.9 with --nesterov is DiLoCo).",
+)
+flags.DEFINE_boolean("nesterov", False, "AGN: Nesterov outer momentum.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the shuffling.")
 flags.DEFINE_integer(
     "verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 per epoch."
@@ -75,11 +97,24 @@ def build_model(input_shape, num_classes):
 
 
 def build_optimizer():
-    """The `--optimizer`, combining replicas' gradients by `--aggregation`."""
-    optimizer_class, default_learning_rate = OPTIMIZERS[FLAGS.optimizer]
-    return optimizer_class(
-        learning_rate=FLAGS.learning_rate or default_learning_rate,
-        aggregation_method=FLAGS.aggregation,
+    """The `--optimizer`, combining replicas' gradients (or, for AGN, their
+    commits) by `--aggregation`."""
+    if FLAGS.optimizer != "agn":
+        optimizer_class, default_learning_rate = OPTIMIZERS[FLAGS.optimizer]
+        return optimizer_class(
+            learning_rate=FLAGS.learning_rate or default_learning_rate,
+            aggregation_method=FLAGS.aggregation,
+        )
+    inner_class, default_learning_rate = OPTIMIZERS[FLAGS.inner_optimizer]
+    return tf_agn.optimizers.AGN(
+        inner_class(learning_rate=FLAGS.learning_rate or default_learning_rate),
+        local_steps=FLAGS.local_steps,
+        aggregation=FLAGS.aggregation,
+        outer_optimizer=keras.optimizers.SGD(
+            learning_rate=FLAGS.outer_learning_rate,
+            momentum=FLAGS.outer_momentum,
+            nesterov=FLAGS.nesterov,
+        ),
     )
 
 
@@ -127,6 +162,10 @@ def main(argv):
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
+    callbacks = [tf_agn.callbacks.CommunicationLogger()]
+    if FLAGS.optimizer == "agn":
+        # Validate the center, not each replica's mid-window exploration.
+        callbacks.append(tf_agn.callbacks.EvaluateAtCenter())
     replicas = strategy.num_replicas_in_sync
     test_batch_size = even_batch_size(FLAGS.batch_size, len(x_test), replicas)
     model.fit(
@@ -137,11 +176,14 @@ def main(argv):
         validation_data=(x_test, y_test),
         validation_batch_size=test_batch_size,
         verbose=FLAGS.verbose,
+        callbacks=callbacks,
     )
+    # After fit, AGN has committed its last window: the model is the center.
     _, accuracy = model.evaluate(
         x_test, y_test, batch_size=test_batch_size, verbose=0
     )
     print(f"test_accuracy={accuracy:.4f}")
+    print(f"bytes_sent={model.optimizer.communication_stats()['bytes_sent']}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,24 @@ def test_mnist_mirrored_with_another_aggregation_and_optimizer():
     assert math.isfinite(accuracy) and 0 <= accuracy <= 1
 
 
+def test_mnist_mirrored_with_agn():
+    # 1,024 samples at batch 512: 2 steps per epoch, 4 in all; λ = 2 makes
+    # 2 commits, each of the MLP's 235,146 float32 parameters.
+    stdout = run_example(
+        MNIST_MIRRORED,
+        "--cpu_replicas=4",
+        "--optimizer=agn",
+        "--local_steps=2",
+        "--outer_momentum=0.9",
+        "--nesterov",
+        "--train_samples=1024",
+        "--epochs=2",
+        "--verbose=0",
+    )
+    assert math.isfinite(printed_accuracy(stdout))
+    assert "bytes_sent=1881168" in stdout
+
+
 def test_help_lists_the_shared_flags():
     # absl's --help exits with 1.
     stdout = run_example(MNIST_MIRRORED, "--help", timeout=60, returncode=1)

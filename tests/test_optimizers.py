@@ -316,3 +316,9 @@ def test_communication_stats(method, compression, calls, bytes_per_element):
         "all_reduce_calls": calls,
         "bytes_sent": calls * num_elements * bytes_per_element,
     }
+
+
+def test_optimizer_created_outside_the_scope_is_refused_clearly():
+    optimizer = tf_agn.optimizers.SGD(LEARNING_RATE)
+    with pytest.raises(ValueError, match="Create it inside the `strategy.scope"):
+        fit_mlp(tf_agn.strategies.mirrored(DEVICES), lambda: optimizer)

@@ -5,6 +5,7 @@ import functools
 
 import keras
 from keras.src.optimizers import base_optimizer
+import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
@@ -65,6 +66,7 @@ class Aggregating:
     def build(self, variables):
         if self.built:
             return
+        check_strategy(self)
         super().build(variables)
         self._communication = CommunicationCounter(self)
 
@@ -103,6 +105,23 @@ class Aggregating:
         method = self.aggregation_method
         config["aggregation_method"] = None if method is None else method.value
         return config
+
+
+def check_strategy(optimizer):
+    """Raises if `optimizer` is used under another strategy than its own.
+
+    Keras optimizers bind to the strategy in scope when they are created;
+    TensorFlow's own error for a mismatch ("Mixing different
+    tf.distribute.Strategy objects") does not say what to do.
+    """
+    current = tf.distribute.get_strategy()
+    if current is not optimizer._distribution_strategy:
+        raise ValueError(
+            f"Optimizer {optimizer.name!r} was created under "
+            f"{type(optimizer._distribution_strategy).__name__} but is used "
+            f"under {type(current).__name__}. Create it inside the "
+            "`strategy.scope()` where the model is compiled."
+        )
 
 
 def _register(cls):
