@@ -53,7 +53,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     Args:
         aggregation: the default `AggregationMethod` (or its name) for tf_agn
             optimizers in a strategy that uses these ops.
-        bytes_per_pack: the most bytes one packed buffer may hold.
+        bytes_per_pack: the most bytes one pack may hold. The default,
+            4 MiB, is explained at `packing.DEFAULT_BYTES_PER_PACK`.
         compression: None, "fp16" or "bf16".
         jit_compile: whether to compile the reduction with XLA.
         reduce_to_device: the device that reduces; by default the first
@@ -69,7 +70,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     def __init__(
         self,
         aggregation="mean",
-        bytes_per_pack=64 * 2**20,
+        bytes_per_pack=packing.DEFAULT_BYTES_PER_PACK,
         compression=None,
         jit_compile=True,
         reduce_to_device=None,
@@ -175,14 +176,21 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 )
             else:
                 dense.append(index)
+        # A shape not fully known while tracing counts as one element.
         sizes = [
-            (values[i].values[0].dtype, values[i].values[0].shape.num_elements() or 1)
+            (
+                values[i].values[0].dtype,
+                values[i].values[0].shape.num_elements() or 1,
+            )
             for i in dense
         ]
         for pack in packing.plan_packs(sizes, self.bytes_per_pack):
             pack = [dense[i] for i in pack]
             reduced = self._combine_pack(
-                method, [values[i] for i in pack], devices[pack[0]], value_scale
+                method,
+                [values[i] for i in pack],
+                devices[pack[0]],
+                value_scale,
             )
             for index, tensor in zip(pack, reduced):
                 results[index] = _mirror(tensor, devices[index])
@@ -203,14 +211,11 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         like = [v.values[0] for v in values]
         flatten = self._flatten_packs(devices)
         sources = [
-            self._send([v.values[r] for v in values], flatten)
-            for r in replicas
+            self._send([v.values[r] for v in values], flatten) for r in replicas
         ]
         with tf.device(device):
             reduced = packing.combine_fn(self._jit(device))(
-                sources,
-                tf.constant(scale, packing.accumulation_dtype(dtype)),
-                dtype,
+                sources, scale, dtype
             )
             return packing.unflatten(reduced[0], like) if flatten else reduced
 
@@ -304,9 +309,19 @@ def scale_value(value, scale):
 
 
 def _mirror(value, devices):
-    """Places a copy of `value` on every device, as a `Mirrored` value."""
+    """Places a copy of `value` on every device, as a `Mirrored` value.
+
+    Between devices in host memory (logical CPUs) the identity shares the
+    buffer, so nothing is copied; between GPUs it is the transfer.
+    """
     copies = []
     for device in devices:
         with tf.device(device):
-            copies.append(tf.nest.map_structure(tf.identity, value, expand_composites=True))
-    return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)
+            copies.append(
+                tf.nest.map_structure(
+                    tf.identity, value, expand_composites=True
+                )
+            )
+    return distribute_utils.regroup(
+        tuple(copies), wrap_class=tf_values.Mirrored
+    )

@@ -1,4 +1,4 @@
-"""Grouping many tensors into a few flat buffers, and the compiled combine.
+"""Grouping many tensors into a few packs, and the compiled combine.
 
 Reducing 200 small gradient tensors one by one pays a fixed cost 200 times.
 Packing groups them, per dtype, into packs of at most `bytes_per_pack`
@@ -18,6 +18,14 @@ import tensorflow as tf
 XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
 
 COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+
+# Packs of a few MiB are large enough that the fixed cost of a call is
+# small next to its work, and small enough that TensorFlow runs several at
+# once (XLA also splits one large loop across threads). On CPU they also
+# keep each call's outputs small: a call that allocates and then frees
+# tens of MiB at once has malloc hand the pages back to the OS and fault
+# them in again on the next step, which costs more than the sum itself.
+DEFAULT_BYTES_PER_PACK = 4 * 2**20
 
 
 def plan_packs(dtypes_and_sizes, bytes_per_pack):
@@ -57,17 +65,28 @@ def accumulation_dtype(dtype):
 def _combine(per_replica_tensors, scale, output_dtype):
     """Returns `scale * sum_r per_replica_tensors[r]`, tensor by tensor.
 
-    Sums are taken in `scale.dtype` and cast to `output_dtype`. XLA fuses
-    the casts, the sum and the scaling into one pass over each tensor.
+    Sums are taken in `accumulation_dtype(output_dtype)` and cast to
+    `output_dtype`. XLA fuses the casts, the sum and the scaling into one
+    pass over each tensor.
+
+    Args:
+        per_replica_tensors: one list of tensors per replica, all lists
+            alike in length and shapes.
+        scale: a Python number. It is a constant of the traced function, so
+            a scale of 1 costs nothing even without XLA.
+        output_dtype: the dtype of the results.
+
+    Returns:
+        A list of tensors, one per position in the replicas' lists.
     """
-    return [
-        tf.cast(
-            tf.add_n([tf.cast(t[i], scale.dtype) for t in per_replica_tensors])
-            * scale,
-            output_dtype,
-        )
-        for i in range(len(per_replica_tensors[0]))
-    ]
+    dtype = accumulation_dtype(output_dtype)
+    combined = []
+    for i in range(len(per_replica_tensors[0])):
+        total = tf.add_n([tf.cast(t[i], dtype) for t in per_replica_tensors])
+        if scale != 1:
+            total = total * tf.constant(scale, dtype)
+        combined.append(tf.cast(total, output_dtype))
+    return combined
 
 
 def _flatten(tensors, dtype):
