@@ -106,32 +106,6 @@ def _valid_local_steps(values):
         return False
 
 
-def build_model(input_shape, num_classes):
-    """The MLP of mnist_mirrored.py: 256-128 ReLU and a softmax."""
-    return keras.Sequential(
-        [
-            keras.Input(shape=input_shape),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(num_classes, activation="softmax"),
-        ]
-    )
-
-
-def even_batch_size(batch_size, num_samples, num_replicas):
-    """The largest batch size up to `batch_size` whose first batch of
-    `num_samples` splits evenly across `num_replicas` (Keras 3 builds the
-    model from the replicas' shares of the first batch; see
-    mnist_mirrored.py)."""
-    first_batch = min(batch_size, num_samples)
-    if first_batch < num_replicas:
-        raise ValueError(
-            f"{num_samples} samples cannot be split across {num_replicas} "
-            "replicas."
-        )
-    return first_batch - first_batch % num_replicas
-
-
 def configurations():
     """`(name, label, optimizer factory, is_agn)` for each selected config."""
     local_steps = [int(value) for value in FLAGS.local_steps_list]
@@ -154,25 +128,41 @@ def configurations():
     found = []
     if "sgd" in FLAGS.configs:
         found.append(
-            ("sgd", "sync SGD", sync(tf_agn.optimizers.SGD,
-                                     FLAGS.sgd_learning_rate), None)
+            (
+                "sgd",
+                "sync SGD",
+                sync(tf_agn.optimizers.SGD, FLAGS.sgd_learning_rate),
+                None,
+            )
         )
     if "adam" in FLAGS.configs:
         found.append(
-            ("adam", "sync Adam", sync(tf_agn.optimizers.Adam,
-                                       FLAGS.adam_learning_rate), None)
+            (
+                "adam",
+                "sync Adam",
+                sync(tf_agn.optimizers.Adam, FLAGS.adam_learning_rate),
+                None,
+            )
         )
     if "agn" in FLAGS.configs:
         for steps in local_steps:
             found.append(
-                (f"agn{steps}", f"AGN(Adam) λ={steps}", agn(steps, True),
-                 {"local_steps": steps, "normalize": True})
+                (
+                    f"agn{steps}",
+                    f"AGN(Adam) λ={steps}",
+                    agn(steps, True),
+                    {"local_steps": steps, "normalize": True},
+                )
             )
     if "agn_unnormalized" in FLAGS.configs:
         steps = local_steps[0]
         found.append(
-            (f"agn{steps}_unnormalized", f"AGN(Adam) λ={steps}, normalize=False",
-             agn(steps, False), {"local_steps": steps, "normalize": False})
+            (
+                f"agn{steps}_unnormalized",
+                f"AGN(Adam) λ={steps}, normalize=False",
+                agn(steps, False),
+                {"local_steps": steps, "normalize": False},
+            )
         )
     return found
 
@@ -205,7 +195,9 @@ class EpochRecorder(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         if self._evaluating_since is not None:
-            self._evaluation_time += time.perf_counter() - self._evaluating_since
+            self._evaluation_time += (
+                time.perf_counter() - self._evaluating_since
+            )
             self._evaluating_since = None
 
     def elapsed(self):
@@ -223,12 +215,16 @@ def run_config(strategy, data, num_classes, name, label, make_optimizer, agn):
     """Trains one configuration; returns its results as a dict."""
     (x_train, y_train), (x_test, y_test) = data
     replicas = strategy.num_replicas_in_sync
-    batch_size = even_batch_size(FLAGS.batch_size, len(x_train), replicas)
-    test_batch_size = even_batch_size(FLAGS.batch_size, len(x_test), replicas)
+    batch_size = tf_agn.strategies.even_batch_size(
+        FLAGS.batch_size, len(x_train), replicas
+    )
+    test_batch_size = tf_agn.strategies.even_batch_size(
+        FLAGS.batch_size, len(x_test), replicas
+    )
     # The same initial weights and shuffling for every configuration.
     keras.utils.set_random_seed(FLAGS.seed)
     with strategy.scope():
-        model = build_model(x_train.shape[1:], num_classes)
+        model = tf_agn.models.mlp(x_train.shape[1:], num_classes)
         optimizer = make_optimizer()
         model.compile(
             optimizer=optimizer,
@@ -305,10 +301,18 @@ def plot(results, path):
     for result in results:
         history = result["history"]
         megabytes = [b / 1e6 for b in history["bytes_sent"]]
-        by_bytes.plot(megabytes, history["test_accuracy"], marker="o",
-                      label=result["label"])
-        by_time.plot(history["wall_time_s"], history["test_accuracy"],
-                     marker="o", label=result["label"])
+        by_bytes.plot(
+            megabytes,
+            history["test_accuracy"],
+            marker="o",
+            label=result["label"],
+        )
+        by_time.plot(
+            history["wall_time_s"],
+            history["test_accuracy"],
+            marker="o",
+            label=result["label"],
+        )
     by_bytes.set_xlabel("MB communicated (one replica, cumulative)")
     by_time.set_xlabel("training wall time (s)")
     for axes in (by_bytes, by_time):
@@ -361,8 +365,9 @@ def main(argv):
     print()
     print(table)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "results.md"), "w",
-              encoding="utf-8") as f:
+    with open(
+        os.path.join(FLAGS.output_dir, "results.md"), "w", encoding="utf-8"
+    ) as f:
         f.write(table + "\n")
     settings = {
         "dataset": FLAGS.dataset,
@@ -379,17 +384,24 @@ def main(argv):
         "adam_learning_rate": FLAGS.adam_learning_rate,
         "outer_learning_rate": FLAGS.outer_learning_rate,
     }
-    with open(os.path.join(FLAGS.output_dir, "results.json"), "w",
-              encoding="utf-8") as f:
-        json.dump({"settings": settings, "results": results}, f, indent=2,
-                  ensure_ascii=False)
+    with open(
+        os.path.join(FLAGS.output_dir, "results.json"), "w", encoding="utf-8"
+    ) as f:
+        json.dump(
+            {"settings": settings, "results": results},
+            f,
+            indent=2,
+            ensure_ascii=False,
+        )
     png = os.path.join(FLAGS.output_dir, "compare_sync.png")
     if plot(results, png):
-        print(f"\nWrote {png}, results.md and results.json to "
-              f"{FLAGS.output_dir}.")
+        print(
+            f"\nWrote {png}, results.md and results.json to "
+            f"{FLAGS.output_dir}."
+        )
     else:
         print(
-            "\nmatplotlib is not installed (pip install -e \".[bench]\"): "
+            '\nmatplotlib is not installed (pip install -e ".[bench]"): '
             f"skipped the plot. Wrote results.md and results.json to "
             f"{FLAGS.output_dir}."
         )

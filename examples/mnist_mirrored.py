@@ -84,18 +84,6 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-def build_model(input_shape, num_classes):
-    """A 256-128 ReLU MLP with a softmax over `num_classes`."""
-    return keras.Sequential(
-        [
-            keras.Input(shape=input_shape),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(num_classes, activation="softmax"),
-        ]
-    )
-
-
 def build_optimizer():
     """The `--optimizer`, combining replicas' gradients (or, for AGN, their
     commits) by `--aggregation`."""
@@ -116,23 +104,6 @@ def build_optimizer():
             nesterov=FLAGS.nesterov,
         ),
     )
-
-
-def even_batch_size(batch_size, num_samples, num_replicas):
-    """The largest batch size up to `batch_size` whose first batch of
-    `num_samples` splits evenly across `num_replicas`.
-
-    Keras 3 averages the replicas' shares of the first batch to build the
-    model (`_maybe_symbolic_build` of its TensorFlow trainer), which fails if
-    the shares differ in size. Later batches may split unevenly.
-    """
-    first_batch = min(batch_size, num_samples)
-    if first_batch < num_replicas:
-        raise ValueError(
-            f"{num_samples} samples cannot be split across {num_replicas} "
-            "replicas."
-        )
-    return first_batch - first_batch % num_replicas
 
 
 def main(argv):
@@ -156,7 +127,7 @@ def main(argv):
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     # Variables created in the scope are mirrored on every replica.
     with strategy.scope():
-        model = build_model(x_train.shape[1:], num_classes)
+        model = tf_agn.models.mlp(x_train.shape[1:], num_classes)
         model.compile(
             optimizer=build_optimizer(),
             loss="sparse_categorical_crossentropy",
@@ -167,11 +138,15 @@ def main(argv):
         # Validate the center, not each replica's mid-window exploration.
         callbacks.append(tf_agn.callbacks.EvaluateAtCenter())
     replicas = strategy.num_replicas_in_sync
-    test_batch_size = even_batch_size(FLAGS.batch_size, len(x_test), replicas)
+    test_batch_size = tf_agn.strategies.even_batch_size(
+        FLAGS.batch_size, len(x_test), replicas
+    )
     model.fit(
         x_train,
         y_train,
-        batch_size=even_batch_size(FLAGS.batch_size, len(x_train), replicas),
+        batch_size=tf_agn.strategies.even_batch_size(
+            FLAGS.batch_size, len(x_train), replicas
+        ),
         epochs=FLAGS.epochs,
         validation_data=(x_test, y_test),
         validation_batch_size=test_batch_size,

@@ -2,5 +2,6 @@
 
 from tf_agn.strategies.flags import define_flags
 from tf_agn.strategies.flags import strategy_from_flags
+from tf_agn.strategies.mirrored import even_batch_size
 from tf_agn.strategies.mirrored import mirrored
 from tf_agn.strategies.mirrored import split_cpu

@@ -61,3 +61,31 @@ def mirrored(devices=None, aggregation="mean", **ops_kwargs):
     """
     ops = AggregatingAllReduce(aggregation=aggregation, **ops_kwargs)
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+
+def even_batch_size(batch_size, num_samples, num_replicas):
+    """The largest batch size up to `batch_size` whose first batch of
+    `num_samples` splits evenly across `num_replicas`.
+
+    Keras 3 averages the replicas' shares of the first batch to build the
+    model (`_maybe_symbolic_build` of its TensorFlow trainer), which fails if
+    the shares differ in size. Later batches may split unevenly.
+
+    Args:
+        batch_size: the global batch size wanted.
+        num_samples: how many samples the data set holds.
+        num_replicas: how many replicas share each batch.
+
+    Returns:
+        The batch size to pass to `fit`, `evaluate` or `predict`.
+
+    Raises:
+        ValueError: if there are fewer samples than replicas.
+    """
+    first_batch = min(batch_size, num_samples)
+    if first_batch < num_replicas:
+        raise ValueError(
+            f"{num_samples} samples cannot be split across {num_replicas} "
+            "replicas."
+        )
+    return first_batch - first_batch % num_replicas

@@ -134,3 +134,19 @@ def test_strategy_from_flags_rejects_too_many_replicas(flag_values):
 def test_aggregation_flag_rejects_unknown_methods(flag_values):
     with pytest.raises(flags.IllegalFlagValueError):
         flag_values(["prog", "--aggregation=median"])
+
+
+def test_even_batch_size():
+    even = tf_agn.strategies.even_batch_size
+    assert even(512, 4000, 4) == 512
+    assert even(512, 1797, 3) == 510  # 512 would leave shares of 171 and 170
+    assert even(512, 301, 4) == 300  # the first batch is the whole set
+    with pytest.raises(ValueError, match="3 samples cannot be split across 4"):
+        even(512, 3, 4)
+
+
+def test_mlp_layer_sizes():
+    model = tf_agn.models.mlp((784,), 10, hidden_units=(1000, 2000, 1000))
+    assert [w.shape for w in model.weights[::2]] == [
+        (784, 1000), (1000, 2000), (2000, 1000), (1000, 10)
+    ]
