@@ -1,0 +1,55 @@
+"""Runs benchmarks/step_overhead.py on a tiny setting: it must run, print its
+table and a verdict per target. The timings themselves are not checked (the
+machine is shared); the benchmark's own PASS/FAIL lines are for people."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_OVERHEAD = os.path.join(ROOT, "benchmarks", "step_overhead.py")
+
+
+def run_benchmark(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [ROOT, env.get("PYTHONPATH")])
+    )
+    result = subprocess.run(
+        [sys.executable, STEP_OVERHEAD, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    return result
+
+
+@pytest.mark.slow
+def test_step_overhead_runs_and_reports():
+    result = run_benchmark(
+        "--model=small",
+        "--batch_size=32",
+        "--configs=keras_stock,keras,dist_mean,agn",
+        "--local_steps=1,2",
+        "--steps=4",
+        "--repeats=1",
+        "--warmup_steps=2",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for name in ("keras_stock", "keras", "dist_mean", "agn_1", "agn_2"):
+        assert re.search(rf"^  {name}\s+\d+\.\d+", out, re.MULTILINE), out
+    assert re.search(r"^  (PASS|FAIL): DistributedOptimizer MEAN", out, re.M)
+    assert re.search(r"^  (PASS|FAIL): agn_2 takes", out, re.M)
+
+
+def test_step_overhead_rejects_partial_windows():
+    result = run_benchmark(
+        "--configs=agn", "--local_steps=16", "--steps=20", timeout=120
+    )
+    assert result.returncode != 0
+    assert "not a multiple" in result.stdout + result.stderr
