@@ -35,13 +35,14 @@ class CommunicationCounter:
         """Adds one aggregation of `values` (this replica's tensors)."""
         if AggregationMethod.parse(method) is AggregationMethod.NONE:
             return
-        compressed = None if ops is None else packing.COMPRESSION_DTYPES[ops.compression]
-        payload = tf.add_n(
-            [tf.constant(0, tf.int64)]
-            + [_payload_bytes(v, compressed) for v in values]
-        )
+        compressed = None
+        if ops is not None:
+            compressed = packing.COMPRESSION_DTYPES[ops.compression]
+        # Dense gradients have static shapes: their payload is a Python
+        # number, so counting adds no per-tensor ops to the training step.
+        payload = sum(_payload_bytes(v, compressed) for v in values)
         self.calls.assign_add(tf.constant(1, tf.int64))
-        self.bytes.assign_add(payload)
+        self.bytes.assign_add(tf.cast(payload, tf.int64))
 
     def result(self):
         """Returns `{"all_reduce_calls": int, "bytes_sent": int}`."""
@@ -59,4 +60,18 @@ def _payload_bytes(value, compressed_dtype):
     dtype = value.dtype
     if compressed_dtype is not None and dtype in (tf.float32, tf.float64):
         dtype = compressed_dtype
-    return tf.size(value, out_type=tf.int64) * dtype.size
+    num_elements = value.shape.num_elements()
+    if num_elements is None:  # e.g. the rows of an IndexedSlices
+        num_elements = tf.size(value, out_type=tf.int64)
+    return num_elements * dtype.size
+
+
+def communication_stats(optimizer):
+    """`optimizer`'s counts, or zeros before it is built.
+
+    Returns:
+        `{"all_reduce_calls": int, "bytes_sent": int}`.
+    """
+    if not optimizer.built:
+        return {"all_reduce_calls": 0, "bytes_sent": 0}
+    return optimizer._communication.result()

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
+from tf_agn.communication import communication_stats
 from tf_agn.replicas import aggregate_gradients
 from tf_agn.replicas import default_aggregation
 
@@ -77,9 +78,7 @@ class Aggregating:
             `{"all_reduce_calls": int, "bytes_sent": int}`; see
             `tf_agn.CommunicationCounter` for what counts.
         """
-        if not self.built:
-            return {"all_reduce_calls": 0, "bytes_sent": 0}
-        return self._communication.result()
+        return communication_stats(self)
 
     def _clip_gradients(self, grads):
         # Keras clips before it all-reduces; we clip the combined gradient

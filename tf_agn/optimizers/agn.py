@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
+from tf_agn.communication import communication_stats
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
 from tf_agn.replicas import aggregate
 from tf_agn.replicas import default_aggregation
@@ -151,9 +152,7 @@ class AGN(DistributedOptimizer):
             `{"all_reduce_calls": int, "bytes_sent": int}`; local steps send
             nothing.
         """
-        if not self.built:
-            return {"all_reduce_calls": 0, "bytes_sent": 0}
-        return self._communication.result()
+        return communication_stats(self)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
