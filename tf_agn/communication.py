@@ -54,9 +54,7 @@ class CommunicationCounter:
 
 def _payload_bytes(value, compressed_dtype):
     if isinstance(value, tf.IndexedSlices):
-        return _payload_bytes(value.values, None) + _payload_bytes(
-            value.indices, None
-        )
+        return _payload_bytes(value.values, None) + _payload_bytes(value.indices, None)
     dtype = value.dtype
     if compressed_dtype is not None and dtype in (tf.float32, tf.float64):
         dtype = compressed_dtype

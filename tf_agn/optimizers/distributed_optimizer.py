@@ -77,9 +77,7 @@ class DistributedOptimizer(keras_optimizer.Optimizer):
         self._wrapped_class = type(optimizer)
         config = optimizer.get_config()
         config["aggregation_method"] = aggregation and aggregation.value
-        self.inner_optimizer = aggregating_class(type(optimizer)).from_config(
-            config
-        )
+        self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
 
     @property
     def aggregation(self):
@@ -150,4 +148,3 @@ class DistributedOptimizer(keras_optimizer.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
-

@@ -1,0 +1,112 @@
+"""`AEASGD` and `EAMSGD`: asynchronous elastic averaging."""
+
+import keras
+from keras import ops
+
+from tf_agn.optimizers.windowed import WindowedOptimizer
+
+
+@keras.saving.register_keras_serializable(package="tf_agn")
+class AEASGD(WindowedOptimizer):
+    """Asynchronous elastic averaging SGD (Zhang, Choromanska, LeCun, 2015).
+
+    Workers keep their own weights θ; an elastic force ties them to the
+    center. Every λ local steps a worker pulls θ_c, computes
+    E = α(θ − θ_c) with α = ρη, and both sides move towards each other by
+    it: θ ← θ − E on the worker, θ_c ← θ_c + E on the server. Between
+    exchanges the worker takes ordinary steps with its inner optimizer
+    (SGD(η) by default).
+
+    Synchronously (EASGD) the replicas' E_r are summed onto the center, as
+    the paper's synchronous rule θ_c ← θ_c + α Σ_r (θ_r − θ_c).
+
+    Args:
+        optimizer: the inner optimizer; default `SGD(learning_rate)`.
+        local_steps: λ, the steps between exchanges; default 32.
+        rho: ρ, the elastic strength per unit learning rate; default 5.
+        learning_rate: η, used for α = ρη and for the default inner
+            optimizer; default 0.01 (the AGN paper's runs).
+        aggregation: how replicas' E_r are combined synchronously; default
+            SUM.
+        outer_optimizer: applies E to the center; default `SGD(1.0)`.
+        reset_inner_state: whether the inner optimizer's state is cleared at
+            every exchange.
+        name: the optimizer's name.
+
+    Raises:
+        ValueError: if α = ρη is not in (0, 1], where the elastic move would
+            overshoot, or `local_steps` is not an int >= 1.
+    """
+
+    resets_to_center = False
+
+    def __init__(
+        self,
+        optimizer=None,
+        local_steps=32,
+        rho=5.0,
+        learning_rate=0.01,
+        aggregation="sum",
+        outer_optimizer=None,
+        reset_inner_state=False,
+        name=None,
+        **kwargs,
+    ):
+        moving_rate = float(rho) * float(learning_rate)
+        if not 0 < moving_rate <= 1:
+            raise ValueError(
+                "The elastic moving rate α = rho * learning_rate must be in "
+                f"(0, 1]; received rho={rho!r}, learning_rate="
+                f"{learning_rate!r} (α = {moving_rate})."
+            )
+        if optimizer is None:
+            optimizer = self._default_inner_optimizer(learning_rate)
+        super().__init__(
+            optimizer,
+            local_steps,
+            aggregation=aggregation,
+            outer_optimizer=outer_optimizer,
+            reset_inner_state=reset_inner_state,
+            name=name,
+            **kwargs,
+        )
+        self.rho = float(rho)
+        self.elastic_learning_rate = float(learning_rate)
+        self.moving_rate = moving_rate
+
+    @staticmethod
+    def _default_inner_optimizer(learning_rate):
+        return keras.optimizers.SGD(learning_rate)
+
+    def commit_delta(self, local, reference):
+        """E = α(θ − θ_c), with θ_c pulled just before the exchange."""
+        return ops.multiply(
+            ops.cast(self.moving_rate, local.dtype),
+            ops.subtract(local, reference),
+        )
+
+    def local_after_commit(self, local, delta, center):
+        """θ ← θ − E: the worker moves towards the center it pulled."""
+        del center
+        return ops.subtract(local, delta)
+
+    def get_config(self):
+        config = super().get_config()
+        config["rho"] = self.rho
+        config["learning_rate"] = self.elastic_learning_rate
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tf_agn")
+class EAMSGD(AEASGD):
+    """Elastic averaging momentum SGD: AEASGD with Nesterov momentum locally.
+
+    The inner optimizer defaults to `SGD(learning_rate, momentum=0.9,
+    nesterov=True)`; everything else is `AEASGD`.
+
+    Args: as `AEASGD`.
+    """
+
+    @staticmethod
+    def _default_inner_optimizer(learning_rate):
+        return keras.optimizers.SGD(learning_rate, momentum=0.9, nesterov=True)
