@@ -23,9 +23,7 @@ def split_cpu(num_devices):
             a different number of logical CPUs.
     """
     if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(
-            f"num_devices must be an int >= 1; received {num_devices!r}."
-        )
+        raise ValueError(f"num_devices must be an int >= 1; received {num_devices!r}.")
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
@@ -85,7 +83,6 @@ def even_batch_size(batch_size, num_samples, num_replicas):
     first_batch = min(batch_size, num_samples)
     if first_batch < num_replicas:
         raise ValueError(
-            f"{num_samples} samples cannot be split across {num_replicas} "
-            "replicas."
+            f"{num_samples} samples cannot be split across {num_replicas} " "replicas."
         )
     return first_batch - first_batch % num_replicas

@@ -127,13 +127,22 @@ class DistributedOptimizer(keras_optimizer.Optimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def get_config(self):
+    def plain_inner_optimizer(self):
+        """A new, unbuilt copy of the wrapped optimizer, of the user's class.
+
+        Returns:
+            A `keras.optimizers.Optimizer` with the inner optimizer's
+            hyperparameters and none of its state.
+        """
         inner_config = self.inner_optimizer.get_config()
         if not issubclass(self._wrapped_class, Aggregating):
             del inner_config["aggregation_method"]
+        return self._wrapped_class.from_config(inner_config)
+
+    def get_config(self):
         # Serialize the inner optimizer as the user's own class, so that
         # loading needs nothing but Keras and tf_agn.
-        plain = self._wrapped_class.from_config(inner_config)
+        plain = self.plain_inner_optimizer()
         method = self.inner_optimizer.aggregation_method
         return {
             "name": self.name,

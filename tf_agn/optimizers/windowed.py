@@ -245,16 +245,8 @@ class WindowedOptimizer(DistributedOptimizer):
         self.outer_optimizer.iterations.assign_add(1)
 
     def _inner_state(self):
-        """The inner optimizer's per-weight state, without its counters."""
-        inner = self.inner_optimizer
-        counting = inner._communication
-        counters = {
-            id(inner.iterations),
-            id(inner._learning_rate),
-            id(counting.calls),
-            id(counting.bytes),
-        }
-        return [v for v in inner.variables if id(v) not in counters]
+        """The inner optimizer's per-weight state."""
+        return optimizer_state(self.inner_optimizer)
 
     def swap_weights_and_center(self):
         """Exchanges every replica's copy of the weights with the center.
@@ -319,6 +311,22 @@ class WindowedOptimizer(DistributedOptimizer):
             config["outer_optimizer"], custom_objects=custom_objects
         )
         return super().from_config(config, custom_objects=custom_objects)
+
+
+def optimizer_state(optimizer):
+    """An optimizer's per-weight state: its variables but for the counters.
+
+    Args:
+        optimizer: a built Keras optimizer.
+
+    Returns:
+        The list of its state variables (e.g. Adam's moments).
+    """
+    counters = {id(optimizer.iterations), id(optimizer._learning_rate)}
+    communication = getattr(optimizer, "_communication", None)
+    if communication is not None:
+        counters.update((id(communication.calls), id(communication.bytes)))
+    return [v for v in optimizer.variables if id(v) not in counters]
 
 
 def _current_value_of(variable):

@@ -1,0 +1,111 @@
+"""`CommitServer`: the parameter server's side of asynchronous training."""
+
+import tensorflow as tf
+
+# What `CommitServer.apply` did with a commit.
+APPLIED, REJECTED_NON_FINITE, DUPLICATE = 0, 1, 2
+
+
+class CommitServer:
+    """Holds the center θ_c and applies workers' commits to it, one at a time.
+
+    The center is the model's own trainable variables, which live on the
+    parameter servers under `ParameterServerStrategy`. A commit is applied
+    inside a `tf.CriticalSection`, so reading the commit counter, applying
+    the algorithm's rule and counting the commit are one atomic step
+    (DynSGD's staleness needs exactly that):
+
+    1. staleness s = commits applied now − commits applied at the pull;
+    2. a commit holding NaN or Inf is rejected and counted, so it never
+       reaches the center;
+    3. a commit for a window that was already applied is dropped: the
+       coordinator re-runs a window whose worker died, and the first run may
+       have committed before dying. Every scheduled window is applied
+       exactly once;
+    4. otherwise θ_c ← the algorithm's `apply_to_center` with
+       Δ · `commit_scale(s)` (AGN: θ_c + Δ).
+
+    Args:
+        optimizer: the `tf_agn.optimizers.WindowedOptimizer` whose rules
+            apply.
+        centers: the center variables (the model's trainable variables).
+        num_windows: how many windows training schedules in all; window ids
+            run from 0 to `num_windows - 1`.
+    """
+
+    def __init__(self, optimizer, centers, num_windows):
+        self.optimizer = optimizer
+        self.centers = list(centers)
+        self.commits = tf.Variable(0, dtype=tf.int64, trainable=False, name="commits")
+        self.rejected = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="rejected_commits"
+        )
+        self.duplicates = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="duplicate_commits"
+        )
+        self.applied_windows = tf.Variable(
+            tf.zeros([num_windows], tf.int8), trainable=False, name="applied_windows"
+        )
+        self._lock = tf.CriticalSection(name="commit_lock")
+        optimizer.outer_optimizer.build(self.centers)
+
+    def pull(self):
+        """Returns (copies of θ_c, the commit counter), for a worker."""
+        return [tf.identity(center) for center in self.centers], tf.identity(
+            self.commits
+        )
+
+    def apply(self, deltas, commits_at_pull, window_id):
+        """Applies one commit atomically; see the class docstring.
+
+        Args:
+            deltas: the commit Δ, one tensor per center variable.
+            commits_at_pull: the commit counter the worker pulled with.
+            window_id: the window's id, an int64 scalar.
+
+        Returns:
+            (staleness, outcome): int64 scalars; outcome is `APPLIED`,
+            `REJECTED_NON_FINITE` or `DUPLICATE`.
+        """
+
+        def locked():
+            staleness = self.commits - commits_at_pull
+            finite = tf.reduce_all(
+                [tf.reduce_all(tf.math.is_finite(delta)) for delta in deltas]
+            )
+            fresh = tf.equal(self.applied_windows[window_id], 0)
+
+            def accept():
+                scale = self.optimizer.commit_scale(staleness)
+                self.optimizer.apply_to_center(
+                    [delta * tf.cast(scale, delta.dtype) for delta in deltas],
+                    self.centers,
+                )
+                self.applied_windows.scatter_nd_update(
+                    [[window_id]], tf.ones([1], tf.int8)
+                )
+                self.commits.assign_add(1)
+                return tf.constant(APPLIED, tf.int64)
+
+            def reject():
+                self.rejected.assign_add(1)
+                return tf.constant(REJECTED_NON_FINITE, tf.int64)
+
+            def drop():
+                self.duplicates.assign_add(1)
+                return tf.constant(DUPLICATE, tf.int64)
+
+            outcome = tf.cond(fresh, lambda: tf.cond(finite, accept, reject), drop)
+            return staleness, outcome
+
+        return self._lock.execute(locked)
+
+    def checkpoint_items(self):
+        """What a checkpoint of the server holds, besides the model."""
+        return {
+            "commits": self.commits,
+            "rejected_commits": self.rejected,
+            "duplicate_commits": self.duplicates,
+            "applied_windows": self.applied_windows,
+            "outer_optimizer": self.optimizer.outer_optimizer,
+        }

@@ -1,0 +1,119 @@
+"""`simulate`: asynchronous training, deterministically, in one process."""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_agn.strategies import training
+from tf_agn.strategies.commit_server import APPLIED
+from tf_agn.strategies.commit_server import CommitServer
+from tf_agn.strategies.worker import Worker
+from tf_agn.strategies.worker import window_function
+
+ORDERS = ("round_robin", "random")
+
+
+class Simulation:
+    """What `simulate` did.
+
+    Attributes:
+        order: the worker index of every commit, in commit order.
+        losses: each window's mean training loss, in commit order.
+        outcomes: each commit's outcome (see
+            `tf_agn.strategies.commit_server`).
+        staleness: a `tf_agn.strategies.Staleness` over the applied commits.
+        server: the `CommitServer`, whose counters can be read.
+        workers: the virtual `Worker`s, whose weights can be read.
+    """
+
+    def __init__(self, server, workers):
+        self.server = server
+        self.workers = workers
+        self.order = []
+        self.losses = []
+        self.outcomes = []
+        self.staleness = training.Staleness()
+
+
+def simulate(model, dataset_fn, num_workers, num_windows, order="round_robin", seed=0):
+    """Runs n virtual asynchronous workers in one process, in a given order.
+
+    It runs the same worker and server programs as `tf_agn.strategies.fit`
+    on a parameter-server cluster, but the interleaving is chosen, not
+    raced: every worker pulls at the start, and then, for each of
+    `num_windows` commits, the worker whose turn it is takes its λ local
+    steps, commits, and pulls again. A round-robin order makes every commit
+    after the first round exactly n − 1 commits stale (E[staleness] → n − 1,
+    the AGN paper's model of n asynchronous workers); a seeded random order
+    gives the geometric-like staleness of workers of equal speed.
+
+    It is the oracle for exact tests of the asynchronous update rules, and
+    a way to study staleness without a cluster.
+
+    Args:
+        model: a built Keras model compiled with a
+            `tf_agn.optimizers.WindowedOptimizer`, without a distribution
+            strategy. Its weights are the center and hold the result.
+        dataset_fn: `fn(worker_index) -> tf.data.Dataset` of `(x, y)`
+            batches, long enough for that worker's windows.
+        num_workers: n, the number of virtual workers.
+        num_windows: the number of commits to simulate.
+        order: "round_robin", "random" (seeded by `seed`), or an explicit
+            sequence of `num_windows` worker indices.
+        seed: the seed of the random order.
+
+    Returns:
+        A `Simulation`.
+
+    Raises:
+        ValueError: for an unknown order, an order of the wrong length or
+            with bad indices, or a model not compiled with a windowed
+            optimizer.
+    """
+    optimizer = training.check_optimizer(model)
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1; received {num_workers!r}.")
+    commit_order = _commit_order(order, num_workers, num_windows, seed)
+    training.build_compiled_metrics(model, lambda: dataset_fn(0))
+    strategy = tf.distribute.get_strategy()
+    server = CommitServer(optimizer, model.trainable_variables, num_windows)
+    workers = [Worker(model, optimizer, server, strategy) for _ in range(num_workers)]
+    pulls = [tf.function(worker.pull) for worker in workers]
+    windows = [
+        window_function(worker, optimizer.local_steps, pull_first=False)
+        for worker in workers
+    ]
+    iterators = [iter(dataset_fn(index)) for index in range(num_workers)]
+    simulation = Simulation(server, workers)
+    for pull in pulls:
+        pull()
+    for window_id, index in enumerate(commit_order):
+        loss, staleness, outcome = windows[index](
+            iterators[index], tf.constant(window_id, tf.int64)
+        )
+        pulls[index]()
+        simulation.order.append(index)
+        simulation.losses.append(float(loss))
+        simulation.outcomes.append(int(outcome))
+        if int(outcome) == APPLIED:
+            simulation.staleness.record(staleness)
+    return simulation
+
+
+def _commit_order(order, num_workers, num_windows, seed):
+    if isinstance(order, str):
+        if order == "round_robin":
+            return [window % num_workers for window in range(num_windows)]
+        if order == "random":
+            rng = np.random.default_rng(seed)
+            return [int(i) for i in rng.integers(0, num_workers, num_windows)]
+        raise ValueError(
+            f"Unknown order {order!r}; expected one of {ORDERS} or a "
+            "sequence of worker indices."
+        )
+    order = [int(i) for i in order]
+    if len(order) != num_windows or not all(0 <= i < num_workers for i in order):
+        raise ValueError(
+            f"An explicit order needs {num_windows} worker indices in "
+            f"[0, {num_workers}); received {order!r}."
+        )
+    return order

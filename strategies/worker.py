@@ -1,0 +1,138 @@
+"""`Worker`: one worker's side of asynchronous training."""
+
+from keras.src.optimizers import base_optimizer
+import tensorflow as tf
+
+from tf_agn.optimizers.windowed import optimizer_state
+from tf_agn.strategies.worker_state import per_worker_variables
+
+
+class Worker:
+    """A worker's weights θ, its inner optimizer, and its window program.
+
+    A window is `pull`, `local_step` λ times, then `commit`. Each is plain
+    TensorFlow, traced into the caller's function, so the parameter-server
+    executor (`tf_agn.strategies.fit`, one scheduled function per window)
+    and the deterministic simulator (`tf_agn.strategies.simulate`, which
+    interleaves virtual workers in a chosen order) run the same program.
+
+    Under `ParameterServerStrategy` the worker's state is worker-local
+    (`per_worker_variable`): each worker keeps its own θ and optimizer
+    state (e.g. Adam's moments) across windows, as in the paper. The model's
+    non-trainable variables (e.g. batch-norm statistics) are read from the
+    center and not updated by workers.
+
+    Args:
+        model: the Keras model; its trainable variables are the center.
+        optimizer: the `tf_agn.optimizers.WindowedOptimizer` whose rules
+            apply; its inner optimizer is cloned for this worker.
+        server: the `tf_agn.strategies.commit_server.CommitServer`.
+        strategy: the strategy whose scope this is created in.
+    """
+
+    def __init__(self, model, optimizer, server, strategy):
+        self.model = model
+        self.optimizer = optimizer
+        self.server = server
+        centers = model.trainable_variables
+        with per_worker_variables(strategy):
+            self.weights = [
+                tf.Variable(center.value, trainable=False, name="local")
+                for center in centers
+            ]
+            self.pulled = [
+                tf.Variable(center.value, trainable=False, name="pulled")
+                for center in centers
+            ]
+            self.commits_at_pull = tf.Variable(0, dtype=tf.int64, trainable=False)
+            # A clone, so that every worker owns its optimizer state.
+            self.inner_optimizer = optimizer.plain_inner_optimizer()
+            # Keras' TensorFlow optimizer colocates its slots with the
+            # weights through the strategy, which refuses worker-local
+            # weights; the base class creates them plainly.
+            self.inner_optimizer.add_variable_from_reference = lambda *args, **kwargs: base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self.inner_optimizer, *args, **kwargs
+            )
+            self.inner_optimizer.build(self.weights)
+            del self.inner_optimizer.add_variable_from_reference
+
+    def pull(self):
+        """Reads the center; resetting algorithms start their window from it."""
+        centers, commits = self.server.pull()
+        for pulled, center in zip(self.pulled, centers):
+            pulled.assign(center)
+        self.commits_at_pull.assign(commits)
+        if self.optimizer.resets_to_center:
+            for weight, center in zip(self.weights, centers):
+                weight.assign(center)
+
+    def local_step(self, x, y, sample_weight=None):
+        """One inner-optimizer step on this worker's weights; returns the loss."""
+        values = [tf.identity(weight) for weight in self.weights]
+        non_trainable = [v.value for v in self.model.non_trainable_variables]
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            y_pred, _, losses = self.model.stateless_call(
+                values, non_trainable, x, training=True, return_losses=True
+            )
+            loss = self.model._compile_loss(y, y_pred, sample_weight)
+            if losses:
+                loss = loss + tf.add_n(losses)
+        gradients = tape.gradient(loss, values)
+        inner = self.inner_optimizer
+        base_optimizer.BaseOptimizer._backend_update_step(
+            inner, gradients, self.weights, inner.learning_rate
+        )
+        inner.iterations.assign_add(1)
+        if self.model._compile_metrics is not None:
+            self.model._compile_metrics.update_state(y, y_pred, sample_weight)
+        return loss
+
+    def commit(self, window_id):
+        """Commits the window; returns (staleness, outcome) from the server."""
+        if not self.optimizer.resets_to_center:
+            # The elastic methods exchange with the center as it is now.
+            self.pull()
+        weights = [tf.identity(weight) for weight in self.weights]
+        deltas = [
+            self.optimizer.commit_delta(weight, pulled)
+            for weight, pulled in zip(weights, self.pulled)
+        ]
+        staleness, outcome = self.server.apply(deltas, self.commits_at_pull, window_id)
+        with tf.control_dependencies([outcome]):
+            for weight, value, delta, center in zip(
+                self.weights, weights, deltas, self.server.centers
+            ):
+                weight.assign(self.optimizer.local_after_commit(value, delta, center))
+        if self.optimizer.reset_inner_state:
+            for slot in optimizer_state(self.inner_optimizer):
+                slot.assign(tf.zeros_like(slot))
+        return staleness, outcome
+
+
+def window_function(worker, local_steps, pull_first=True):
+    """The traced program of one window: pull, λ local steps, commit.
+
+    Args:
+        worker: the `Worker`.
+        local_steps: λ.
+        pull_first: whether the window starts with its pull. The simulator
+            pulls separately, right after the worker's previous commit.
+
+    Returns:
+        A `tf.function(iterator, window_id)` returning
+        `(mean loss, staleness, outcome)`.
+    """
+
+    @tf.function
+    def run_window(iterator, window_id):
+        if pull_first:
+            worker.pull()
+        total = tf.constant(0.0)
+        for _ in tf.range(local_steps):
+            x, y = next(iterator)[:2]
+            total += tf.cast(worker.local_step(x, y), tf.float32)
+        staleness, outcome = worker.commit(window_id)
+        return total / local_steps, staleness, outcome
+
+    return run_window
