@@ -174,7 +174,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         _exit_with_parent(args.parent_pid)
-    tf_config = read_tf_config(("worker", "ps"))
+    try:
+        tf_config = read_tf_config(("worker", "ps"))
+    except ValueError as error:
+        parser.error(str(error))
     server = start_server(tf_config)
     task = tf_config["task"]
     print(

@@ -9,7 +9,6 @@ clusters run one server subprocess per task, and the tests check that
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,12 +17,14 @@ import time
 import pytest
 import tensorflow as tf
 
+from cluster_checks import checkout_env
+from cluster_checks import port_is_free
 from tf_agn.strategies import LocalCluster
 from tf_agn.strategies import parameter_server
 from tf_agn.strategies import cluster as cluster_module
+from tf_agn.strategies.ports import accepts
 from tf_agn.strategies.ports import free_ports
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_SCRIPT = cluster_module._SERVER_SCRIPT
 # Server processes this module started, directly or through scripts; none
 # may outlive it.
@@ -65,36 +66,6 @@ def no_leaked_servers():
 
 def _port(address):
     return int(address.rpartition(":")[2])
-
-
-def _port_is_free(port):
-    """Whether a server could listen on `port` now. SO_REUSEADDR ignores
-    closed connections in TIME_WAIT, but not a socket still listening."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-            sock.listen()
-        except OSError:
-            return False
-    return True
-
-
-def _accepts(address):
-    try:
-        with socket.create_connection(("localhost", _port(address)), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def _subprocess_env():
-    # Import this checkout's tf_agn, installed or not.
-    return dict(
-        os.environ,
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-    )
 
 
 # Threads mode ----------------------------------------------------------------
@@ -275,7 +246,7 @@ def test_stop_kills_every_server_and_frees_its_port():
         pids = [pid for job_pids in cluster.pids.values() for pid in job_pids]
         STARTED_PIDS.extend(pids)
         addresses = [a for job in ("worker", "ps") for a in cluster.addresses[job]]
-        assert all(map(_accepts, addresses))
+        assert all(map(accepts, addresses))
 
         worker_1 = cluster.pids["worker"][1]
         cluster.kill_worker(1)
@@ -285,14 +256,14 @@ def test_stop_kills_every_server_and_frees_its_port():
         assert not _alive(ps_0)
         with pytest.raises(IndexError, match="No worker 2"):
             cluster.kill_worker(2)
-        assert _accepts(cluster.addresses["worker"][0])
+        assert accepts(cluster.addresses["worker"][0])
     cluster.stop()  # Again: stopping is idempotent.
 
     for pid in pids:
         assert not _alive(pid)
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # Reaped: no zombie left.
-    assert all(_port_is_free(_port(address)) for address in addresses)
+    assert all(port_is_free(_port(address)) for address in addresses)
 
 
 def _with_fake_server(monkeypatch, tmp_path, source):
@@ -351,7 +322,7 @@ def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
     script.write_text(_SCRIPT)
     process = subprocess.Popen(
         [sys.executable, str(script)],
-        env=_subprocess_env(),
+        env=checkout_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -382,4 +353,4 @@ def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
         time.sleep(0.1)
     assert not [pid for pid in pids if _alive(pid)]
     addresses = [a for job in ("worker", "ps") for a in started["addresses"][job]]
-    assert all(_port_is_free(_port(address)) for address in addresses)
+    assert all(port_is_free(_port(address)) for address in addresses)
