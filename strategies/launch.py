@@ -1,0 +1,123 @@
+"""Runs a command as the coordinator of a local parameter-server cluster.
+
+    python -m tf_agn.strategies.launch --workers 4 --ps 1 -- \\
+        python examples/some_script.py --flag ...
+
+starts 4 worker and 1 ps servers as subprocesses (a `LocalCluster` in
+"processes" mode), runs the command with the `TF_CONFIG` of the
+coordinator ("chief") in its environment, so that
+`tf_agn.strategies.parameter_server()` connects to them, and exits with
+the command's exit code. The servers are torn down whatever happens,
+Ctrl-C included.
+
+On several machines, run the training script on one machine (the chief)
+and `python -m tf_agn.strategies.server` on each of the others, every one
+with its own `TF_CONFIG`. They share the "cluster" part and differ in
+"task". For one chief, two workers and one ps:
+
+    chief (host0), runs the training script:
+    {"cluster": {"chief": ["host0:2222"],
+                 "worker": ["host1:2222", "host2:2222"],
+                 "ps": ["host3:2222"]},
+     "task": {"type": "chief", "index": 0}}
+
+    worker 0 (host1), runs python -m tf_agn.strategies.server:
+    {"cluster": <the same>, "task": {"type": "worker", "index": 0}}
+
+    worker 1 (host2), runs python -m tf_agn.strategies.server:
+    {"cluster": <the same>, "task": {"type": "worker", "index": 1}}
+
+    ps 0 (host3), runs python -m tf_agn.strategies.server:
+    {"cluster": <the same>, "task": {"type": "ps", "index": 0}}
+
+Every address must be reachable from every machine (the chief's too: the
+workers connect back to it). Start the servers first; `parameter_server()`
+waits up to its `connect_timeout` for them and then names the missing ones.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tf_agn.strategies.cluster import LocalCluster
+
+# How long an interrupted command gets to exit before it is killed.
+_INTERRUPT_GRACE_S = 10
+
+
+def parse_args(argv):
+    """Splits `argv` at the first "--" into launcher options and the command.
+
+    Returns:
+        The parsed options and the command (a non-empty list).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_agn.strategies.launch",
+        description="Runs COMMAND as the coordinator of a local cluster.",
+        usage="%(prog)s [--workers N] [--ps N] [--start_timeout S] -- COMMAND ...",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker tasks")
+    parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks")
+    parser.add_argument(
+        "--start_timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the servers to accept connections",
+    )
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        parser.error("give the command to run after '--'")
+    split = argv.index("--")
+    return parser.parse_args(argv[:split]), argv[split + 1 :]
+
+
+def run(command, env):
+    """Runs `command`, passing Ctrl-C on to it; returns its exit code.
+
+    A command killed by signal N exits with 128 + N, as in a shell.
+    """
+    process = subprocess.Popen(command, env=env)
+    try:
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        # A Ctrl-C in a terminal reached the command too; any other
+        # interrupt (e.g. SIGTERM to the launcher) is passed on.
+        process.send_signal(signal.SIGINT)
+        try:
+            returncode = process.wait(_INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            returncode = process.wait()
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None):
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM takes the Ctrl-C path: the command is stopped and the
+    # cluster torn down.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with LocalCluster(
+        args.workers, args.ps, mode="processes", start_timeout=args.start_timeout
+    ) as cluster:
+        addresses = cluster.addresses
+        print(
+            f"Local cluster: worker {', '.join(addresses['worker'])}; "
+            f"ps {', '.join(addresses['ps'])}; "
+            f"chief (the command) {addresses['chief'][0]}",
+            flush=True,
+        )
+        env = dict(os.environ, TF_CONFIG=json.dumps(cluster.tf_config("chief", 0)))
+        return run(command, env)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # While the cluster was starting.
+        sys.exit(128 + signal.SIGINT)

@@ -1,0 +1,149 @@
+"""The launcher (`python -m tf_agn.strategies.launch`) and the server module
+(`python -m tf_agn.strategies.server`): run as users run them, in fresh
+processes, and their argument checks in this one."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from cluster_checks import checkout_env
+from cluster_checks import port_is_free
+from tf_agn.strategies import launch
+from tf_agn.strategies import server
+from tf_agn.strategies.ports import free_ports
+from tf_agn.strategies.ports import unreachable
+
+# Trains nothing: counts to 4 on the parameter server through the workers,
+# then exits with 3, which the launcher must pass on.
+COORDINATOR_SCRIPT = """
+import sys
+
+import tensorflow as tf
+
+import tf_agn
+
+strategy = tf_agn.strategies.parameter_server()
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    count = tf.Variable(0.0)
+    per_worker = tf.Variable(0.0, per_worker_variable=True)
+
+
+@tf.function
+def step():
+    count.assign_add(1.0)
+    per_worker.assign_add(1.0)
+
+
+for _ in range(4):
+    coordinator.schedule(step)
+coordinator.join()
+workers = len(per_worker.read_all())
+print(f"workers={workers} count={count.numpy()}", flush=True)
+sys.exit(3)
+"""
+
+
+def test_launch_runs_the_command_as_coordinator_and_passes_its_exit_code(tmp_path):
+    script = tmp_path / "coordinator.py"
+    script.write_text(COORDINATOR_SCRIPT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tf_agn.strategies.launch",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        env=checkout_env(),
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert result.stdout.startswith("Local cluster: worker localhost:"), output
+    assert "workers=2 count=4.0" in result.stdout, output
+
+
+@pytest.mark.slow
+def test_interrupted_launch_stops_the_command_and_the_cluster():
+    command = "print('ready', flush=True); import time; time.sleep(600)"
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tf_agn.strategies.launch",
+            "--workers",
+            "1",
+            "--",
+            sys.executable,
+            "-c",
+            command,
+        ],
+        env=checkout_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        cluster_line = launcher.stdout.readline()
+        assert launcher.stdout.readline() == "ready\n", cluster_line
+        launcher.send_signal(
+            signal.SIGINT
+        )  # Only the launcher: not a terminal's Ctrl-C.
+        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        launcher.kill()
+        launcher.wait()
+    ports = [int(port) for port in re.findall(r"localhost:(\d+)", cluster_line)]
+    assert len(ports) == 3, cluster_line
+    assert all(map(port_is_free, ports[:2])), cluster_line  # The worker and ps.
+
+
+def test_launch_needs_a_command(capsys):
+    with pytest.raises(SystemExit) as exited:
+        launch.parse_args(["--workers", "2"])
+    assert exited.value.code == 2
+    assert "give the command to run after '--'" in capsys.readouterr().err
+    options, command = launch.parse_args(["--ps", "2", "--", "python", "--ps", "1"])
+    assert (options.workers, options.ps, command) == (2, 2, ["python", "--ps", "1"])
+
+
+def test_server_module_serves_the_task_of_its_tf_config():
+    ps, worker = (f"localhost:{port}" for port in free_ports(2))
+    tf_config = {"cluster": {"worker": [worker], "ps": [ps]}, "task": {"type": "ps"}}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tf_agn.strategies.server"],
+        env=checkout_env(TF_CONFIG=json.dumps(tf_config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        reachable = not unreachable([ps], timeout=120)
+        assert reachable and server.poll() is None
+    finally:
+        server.kill()
+        output = server.communicate()[0]
+    assert "ps 0 serving at grpc://localhost:" in output
+
+
+def test_server_module_names_a_malformed_tf_config(monkeypatch, capsys):
+    # test_cluster.py checks the other problems read_tf_config names.
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1"]}}')
+    with pytest.raises(SystemExit) as exited:
+        server.main([])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert 'no "ps" job' in error and "A valid TF_CONFIG looks like" in error
