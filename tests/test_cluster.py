@@ -20,6 +20,7 @@ import pytest
 
 from cluster_checks import checkout_env
 from cluster_checks import port_is_free
+from cluster_checks import run_in_fresh_process
 from tf_agn.strategies import LocalCluster
 from tf_agn.strategies import parameter_server
 from tf_agn.strategies import cluster as cluster_module
@@ -78,16 +79,7 @@ def _port(address):
 @pytest.fixture(scope="module")
 def threads_training():
     """What tests/ps_threads_worker.py measured, in a process of its own."""
-    result = subprocess.run(
-        [sys.executable, THREADS_WORKER],
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout.splitlines()[-1])
+    return run_in_fresh_process(THREADS_WORKER)
 
 
 def test_coordinator_counts_every_scheduled_step_exactly(threads_training):
@@ -220,7 +212,7 @@ def test_malformed_tf_config_is_named(monkeypatch, tf_config, problem):
 
 
 def test_stop_kills_every_server_and_frees_its_port():
-    with LocalCluster(num_workers=2, num_ps=2, mode="processes") as cluster:
+    with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
         pids = [pid for job_pids in cluster.pids.values() for pid in job_pids]
         STARTED_PIDS.extend(pids)
         addresses = [a for job in ("worker", "ps") for a in cluster.addresses[job]]
@@ -285,7 +277,7 @@ _SCRIPT = """
 import json, time
 from tf_agn.strategies import LocalCluster
 
-with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
+with LocalCluster(num_workers=1, num_ps=1, mode="processes") as cluster:
     print(json.dumps({"pids": cluster.pids, "addresses": cluster.addresses}))
     print("ready", flush=True)
     time.sleep(600)
