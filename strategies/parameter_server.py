@@ -4,6 +4,13 @@
 worker and ps when it is created and retries forever while one cannot be
 reached. `parameter_server` first checks that every task accepts TCP
 connections, and names the ones that do not.
+
+Creating the strategy connects the whole process to the cluster, as its
+coordinator, for as long as the process lives: TensorFlow has no way to
+disconnect. Later strategies may connect it to other clusters, but a stock
+`MirroredStrategy` fit afterwards in the same process hangs; tests that
+train with a `ParameterServerStrategy` therefore run in processes of their
+own.
 """
 
 import tensorflow as tf

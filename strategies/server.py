@@ -116,7 +116,7 @@ def server_config(task_type, num_workers):
         # ClusterCoordinator schedules can wait forever on each other's
         # variable reads (b/172296720; TF's own in-process test clusters
         # set this). The default is one thread per core: 2 on a small VM.
-        config.inter_op_parallelism_threads = max(os.cpu_count(), num_workers + 1)
+        config.inter_op_parallelism_threads = max(os.cpu_count() or 1, num_workers + 1)
     return config
 
 

@@ -1,7 +1,10 @@
-"""Helpers that test_cluster.py and test_launch.py share."""
+"""Helpers for tests of parameter-server clusters."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,3 +34,26 @@ def checkout_env(**extra):
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
         **extra,
     )
+
+
+def run_in_fresh_process(script, *args, timeout=180):
+    """Runs a Python script in a new process; returns its last output line
+    parsed as JSON.
+
+    Tests that connect a `ParameterServerStrategy` must run this way: the
+    connection lasts as long as the process, and later `MirroredStrategy`
+    tests in the same process would hang.
+
+    Raises:
+        AssertionError: with the script's output, if it fails.
+    """
+    result = subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.splitlines()[-1])

@@ -1,9 +1,11 @@
 """`LocalCluster` and `parameter_server` with real `tf.distribute.Server`s.
 
-Threads-mode clusters run in this process (they can never be stopped, so
-each test that needs one starts its own and leaves it); processes-mode
-clusters run one server subprocess per task, and the tests check that
-`stop()`, Ctrl-C and a dead parent free every port and process.
+Training on threads-mode clusters runs in a process of its own
+(tests/ps_threads_worker.py): a process that connected a
+`ParameterServerStrategy` stays connected, and later `MirroredStrategy`
+tests in it would hang. Processes-mode clusters run one server subprocess
+per task; the tests check that `stop()`, Ctrl-C and a dead parent free
+every port and process.
 """
 
 import json
@@ -15,10 +17,10 @@ import threading
 import time
 
 import pytest
-import tensorflow as tf
 
 from cluster_checks import checkout_env
 from cluster_checks import port_is_free
+from cluster_checks import run_in_fresh_process
 from tf_agn.strategies import LocalCluster
 from tf_agn.strategies import parameter_server
 from tf_agn.strategies import cluster as cluster_module
@@ -26,6 +28,9 @@ from tf_agn.strategies.ports import accepts
 from tf_agn.strategies.ports import free_ports
 
 SERVER_SCRIPT = cluster_module._SERVER_SCRIPT
+THREADS_WORKER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "ps_threads_worker.py"
+)
 # Server processes this module started, directly or through scripts; none
 # may outlive it.
 STARTED_PIDS = []
@@ -71,67 +76,32 @@ def _port(address):
 # Threads mode ----------------------------------------------------------------
 
 
-def test_coordinator_counts_every_scheduled_step_exactly():
-    cluster = LocalCluster(num_workers=2, num_ps=1).start()
-    strategy = parameter_server(cluster)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        total = tf.Variable(0.0)
-        per_worker = tf.Variable(0.0, per_worker_variable=True)
-
-    @tf.function
-    def step():
-        total.assign_add(1.0)
-        per_worker.assign_add(1.0)
-
-    for _ in range(10):
-        coordinator.schedule(step)
-    coordinator.join()
-
-    assert total.numpy() == 10.0
-    assert "/job:ps/" in total.device
-    counts = [float(value) for value in per_worker.read_all()]
-    assert len(counts) == 2 and sum(counts) == 10.0, counts
+@pytest.fixture(scope="module")
+def threads_training():
+    """What tests/ps_threads_worker.py measured, in a process of its own."""
+    return run_in_fresh_process(THREADS_WORKER)
 
 
-def test_second_cluster_and_coordinator_in_one_process():
-    # The first test's cluster and coordinator still exist in this process.
-    cluster = LocalCluster(num_workers=1, num_ps=2).start()
-    strategy = parameter_server(cluster, variable_partitioner=2)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        embedding = tf.Variable(tf.zeros((1000, 64)))
-
-    @tf.function
-    def step():
-        embedding.assign_add(tf.ones((1000, 64)))
-
-    coordinator.schedule(step)
-    coordinator.schedule(step)
-    coordinator.join()
-
-    shards = embedding.variables
-    assert [shard.shape.as_list() for shard in shards] == [[500, 64], [500, 64]]
-    assert [
-        "/job:ps/replica:0/task:0" in shards[0].device,
-        "/job:ps/replica:0/task:1" in shards[1].device,
-    ] == [True, True]
-    assert (tf.convert_to_tensor(embedding).numpy() == 2.0).all()
+def test_coordinator_counts_every_scheduled_step_exactly(threads_training):
+    count = threads_training["count"]
+    assert count["total"] == 10.0
+    assert "/job:ps/" in count["total_device"]
+    # Each worker added to its own copy; together they ran every step.
+    per_worker = count["per_worker"]
+    assert len(per_worker) == 2 and sum(per_worker) == 10.0, per_worker
 
 
-def test_auto_partitioner_shards_large_variables_only():
-    cluster = LocalCluster(num_workers=1, num_ps=2).start()
-    strategy = parameter_server(cluster, variable_partitioner="auto")
-    with strategy.scope():
-        large = tf.Variable(tf.zeros((4096, 64)))  # 1 MiB: one shard per ps
-        small = tf.Variable(tf.zeros((10,)))
-    assert _num_shards(large) == 2
-    assert _num_shards(small) == 1
+def test_second_cluster_and_coordinator_in_one_process(threads_training):
+    shards = threads_training["shards"]
+    assert shards["shard_shapes"] == [[500, 64], [500, 64]]
+    devices = shards["shard_devices"]
+    assert "/job:ps/replica:0/task:0" in devices[0], devices
+    assert "/job:ps/replica:0/task:1" in devices[1], devices
+    assert shards["values"] == [2.0]
 
 
-def _num_shards(variable):
-    # A ShardedVariable lists its shards; an unsharded variable has none.
-    return len(getattr(variable, "variables", [variable]))
+def test_auto_partitioner_shards_large_variables_only(threads_training):
+    assert threads_training["shards"]["auto_shards"] == {"large": 2, "small": 1}
 
 
 def test_in_process_servers_cannot_be_killed():
@@ -242,7 +212,7 @@ def test_malformed_tf_config_is_named(monkeypatch, tf_config, problem):
 
 
 def test_stop_kills_every_server_and_frees_its_port():
-    with LocalCluster(num_workers=2, num_ps=2, mode="processes") as cluster:
+    with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
         pids = [pid for job_pids in cluster.pids.values() for pid in job_pids]
         STARTED_PIDS.extend(pids)
         addresses = [a for job in ("worker", "ps") for a in cluster.addresses[job]]
@@ -307,7 +277,7 @@ _SCRIPT = """
 import json, time
 from tf_agn.strategies import LocalCluster
 
-with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
+with LocalCluster(num_workers=1, num_ps=1, mode="processes") as cluster:
     print(json.dumps({"pids": cluster.pids, "addresses": cluster.addresses}))
     print("ready", flush=True)
     time.sleep(600)
