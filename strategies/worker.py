@@ -84,8 +84,6 @@ class Worker:
             inner, gradients, self.weights, inner.learning_rate
         )
         inner.iterations.assign_add(1)
-        if self.model._compile_metrics is not None:
-            self.model._compile_metrics.update_state(y, y_pred, sample_weight)
         return loss
 
     def commit(self, window_id):

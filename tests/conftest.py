@@ -21,3 +21,4 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: long end-to-end tests (deselect with -m 'not slow')"
     )
+

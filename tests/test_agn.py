@@ -53,7 +53,10 @@ def agn_reference(x, y, method, local_steps, steps, normalize=True):
             replicas[r] = [w - LEARNING_RATE * g for w, g in zip(replicas[r], grads)]
         if (step + 1) % local_steps == 0:
             divisor = local_steps if normalize else 1
-            deltas = [[(w - c) / divisor for w, c in zip(weights, center)] for weights in replicas]
+            deltas = [
+                [(w - c) / divisor for w, c in zip(weights, center)]
+                for weights in replicas
+            ]
             stacked = [np.stack(parts) for parts in zip(*deltas)]
             combined = {
                 "mean": [s.mean(0) for s in stacked],
@@ -68,7 +71,9 @@ def agn_reference(x, y, method, local_steps, steps, normalize=True):
 
 def initial_linear():
     rng = np.random.RandomState(1)
-    return (rng.randn(3, 2) * 0.5).astype("float32"), (rng.randn(2) * 0.1).astype("float32")
+    return (rng.randn(3, 2) * 0.5).astype("float32"), (rng.randn(2) * 0.1).astype(
+        "float32"
+    )
 
 
 class RecordStates(keras.callbacks.Callback):
@@ -113,9 +118,13 @@ def test_three_local_steps_match_hand_computed_reference(method):
         want_replicas, want_center = reference[step]
         for r in range(NUM_REPLICAS):
             for got, want in zip(replicas[r], want_replicas[r]):
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} replica {r}")
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} replica {r}"
+                )
         for got, want in zip(center, want_center):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} center")
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} center"
+            )
         if step % 3 != 2:  # mid-window: the replicas explore apart
             assert not np.allclose(replicas[0][0], replicas[1][0])
 
@@ -124,9 +133,13 @@ def test_one_local_step_is_synchronous_sgd():
     x, y = data(steps=3)
     with tf_agn.strategies.mirrored(DEVICES).scope():
         model = build_mlp(initial_params())
-        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=1), loss="mse")
+        model.compile(
+            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=1), loss="mse"
+        )
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    reference = sgd_trajectory(initial_params(), x, y, "mean", NUM_REPLICAS, BATCH, LEARNING_RATE)
+    reference = sgd_trajectory(
+        initial_params(), x, y, "mean", NUM_REPLICAS, BATCH, LEARNING_RATE
+    )
     for copy, want in zip(tf_agn.replica_weights(model), reference):
         for got, expected in zip(copy, want):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
@@ -177,7 +190,9 @@ def test_fit_commits_a_partial_window_at_the_end():
     x, y = linear_data(5)
     with tf_agn.strategies.mirrored(DEVICES).scope():
         model = linear_model(*initial_linear())
-        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse")
+        model.compile(
+            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse"
+        )
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     copies = tf_agn.replica_weights(model)
     centers = [c.numpy() for c in model.optimizer.center_variables]
@@ -202,7 +217,9 @@ def test_config_round_trip():
     assert restored.aggregation is tf_agn.AggregationMethod.SUM
     assert not restored.normalize and restored.reset_inner_state
     assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
-    assert restored.outer_optimizer.nesterov and restored.outer_optimizer.momentum == 0.9
+    assert (
+        restored.outer_optimizer.nesterov and restored.outer_optimizer.momentum == 0.9
+    )
     assert restored.get_config() == optimizer.get_config()
 
 
@@ -218,8 +235,14 @@ def test_bad_optimizers_and_outer_learning_rate():
     with pytest.raises(TypeError, match="outer_optimizer"):
         AGN(keras.optimizers.SGD(), local_steps=2, outer_optimizer="sgd")
     for rate in (0.0, -1.0):
-        with pytest.raises(ValueError, match="outer optimizer's learning rate must be > 0"):
-            AGN(keras.optimizers.SGD(), local_steps=2, outer_optimizer=keras.optimizers.SGD(rate))
+        with pytest.raises(
+            ValueError, match="outer optimizer's learning rate must be > 0"
+        ):
+            AGN(
+                keras.optimizers.SGD(),
+                local_steps=2,
+                outer_optimizer=keras.optimizers.SGD(rate),
+            )
 
 
 def test_validation_mid_window_uses_the_center():
@@ -233,10 +256,17 @@ def test_validation_mid_window_uses_the_center():
     def run(callbacks):
         with tf_agn.strategies.mirrored(DEVICES).scope():
             model = linear_model(kernel, bias)
-            model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse")
+            model.compile(
+                AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse"
+            )
         history = model.fit(
-            x, y, batch_size=BATCH, shuffle=False, verbose=0,
-            validation_data=(x_val, y_val), validation_batch_size=BATCH,
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x_val, y_val),
+            validation_batch_size=BATCH,
             callbacks=callbacks,
         )
         return history.history["val_loss"][0], model.get_weights()
@@ -254,9 +284,16 @@ def test_communication_logger_reaches_the_history():
     x, y = linear_data(8)
     with tf_agn.strategies.mirrored(DEVICES).scope():
         model = linear_model(*initial_linear())
-        model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse")
+        model.compile(
+            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse"
+        )
     history = model.fit(
-        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[tf_agn.callbacks.CommunicationLogger()],
     )
     assert history.history["all_reduce_calls"] == [2, 4]
@@ -296,15 +333,26 @@ def test_save_mid_window_resumes_from_replica_zero(tmp_path):
     with strategy.scope():
         model = linear_model(*initial_linear())
         model.compile(AGN(keras.optimizers.Adam(0.05), local_steps=4), loss="mse")
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[SaveAfterFiveSteps()])
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[SaveAfterFiveSteps()],
+    )
 
     with strategy.scope():
         loaded = keras.models.load_model(path)
     assert int(loaded.optimizer.iterations.numpy()) == 5
-    loaded.fit(x[5 * BATCH :], y[5 * BATCH :], batch_size=BATCH, shuffle=False, verbose=0)
+    loaded.fit(
+        x[5 * BATCH :], y[5 * BATCH :], batch_size=BATCH, shuffle=False, verbose=0
+    )
     for got, want in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    for got, want in zip(loaded.optimizer.center_variables, model.optimizer.center_variables):
+    for got, want in zip(
+        loaded.optimizer.center_variables, model.optimizer.center_variables
+    ):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
 
 
@@ -332,7 +380,9 @@ def test_mixed_precision():
         x, y = linear_data(6)
         with tf_agn.strategies.mirrored(DEVICES).scope():
             model = linear_model(*initial_linear())
-            model.compile(AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse")
+            model.compile(
+                AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3), loss="mse"
+            )
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -341,3 +391,52 @@ def test_mixed_precision():
     for copy in tf_agn.replica_weights(model):
         for got, want in zip(copy, center):
             np.testing.assert_allclose(got, want, rtol=1e-2, atol=3e-3)
+
+
+def test_synchronous_easgd_moves_replicas_and_center_symmetrically():
+    # The elastic rule under MirroredStrategy: at a window's end each
+    # replica moves by E_r = α(θ_r − θ_c) towards the center, and the center
+    # by Σ_r E_r towards the replicas; replicas keep their own weights.
+    steps, local_steps, moving_rate = 6, 3, 0.25
+    x, y = linear_data(steps)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = linear_model(*initial_linear())
+        model.compile(
+            tf_agn.optimizers.AEASGD(
+                keras.optimizers.SGD(LEARNING_RATE),
+                local_steps=local_steps,
+                rho=5.0,
+                learning_rate=moving_rate / 5.0,
+            ),
+            loss="mse",
+        )
+    record = RecordStates()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[record])
+
+    center = [w.astype(np.float64) for w in initial_linear()]
+    replicas = [list(center) for _ in range(NUM_REPLICAS)]
+    for step in range(steps):
+        for r in range(NUM_REPLICAS):
+            rows = slice(step * BATCH + r * SHARD, step * BATCH + (r + 1) * SHARD)
+            grads = linear_gradients(*replicas[r], x[rows], y[rows])
+            replicas[r] = [w - LEARNING_RATE * g for w, g in zip(replicas[r], grads)]
+        if (step + 1) % local_steps == 0:
+            forces = [
+                [moving_rate * (w - c) for w, c in zip(weights, center)]
+                for weights in replicas
+            ]
+            replicas = [
+                [w - e for w, e in zip(weights, force)]
+                for weights, force in zip(replicas, forces)
+            ]
+            center = [c + sum(parts) for c, parts in zip(center, zip(*forces))]
+        got_replicas, got_center = record.states[step]
+        for got, want in zip(got_center, center):
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step}"
+            )
+        for r in range(NUM_REPLICAS):
+            for got, want in zip(got_replicas[r], replicas[r]):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Unlike AGN, the replicas stay apart after an exchange.
+    assert not np.allclose(record.states[-1][0][0][0], record.states[-1][0][1][0])

@@ -116,6 +116,18 @@ class WindowedOptimizer(DistributedOptimizer):
     def build(self, var_list):
         if self.built:
             return
+        if isinstance(
+            self._distribution_strategy,
+            tf.distribute.experimental.ParameterServerStrategy,
+        ):
+            # Keras 3's fit and train steps cannot drive this strategy; its
+            # windows run through tf_agn's own asynchronous executor.
+            raise ValueError(
+                f"{type(self).__name__} runs asynchronously under "
+                "ParameterServerStrategy through tf_agn.strategies.fit("
+                "model, dataset_fn, ...), not through model.fit or "
+                "optimizer.apply."
+            )
         super().build(var_list)
         # An initializer rather than an assign: Keras may build the
         # optimizer while tracing the train step, where an assign would only
