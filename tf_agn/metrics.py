@@ -1,0 +1,78 @@
+"""Metrics for comparing training runs."""
+
+import numpy as np
+
+
+def temporal_efficiency(history_a, history_b, metric="accuracy"):
+    """E(a, b) = ∫₀^m f_a(t) dt / ∫₀^m f_b(t) dt (Hermans et al., 2017).
+
+    f is a run's metric (training accuracy in the AGN paper) over
+    wall-clock time, and m is the shorter run's duration, so both runs are
+    judged over the same time. E > 1 favours run a: it was better on
+    average over that time, not just at its end.
+
+    Each f is the piecewise-linear curve through its samples, held at its
+    first sample before it (runs are sampled after their first update) and
+    integrated exactly (trapezoids between samples).
+
+    Args:
+        history_a: run a: a `(times, values)` pair of sequences, or a
+            mapping with a "time" entry and a `metric` entry, such as the
+            `history` dict of a Keras `History` with a time log. Times are
+            seconds from the run's start, increasing.
+        history_b: run b, the same way.
+        metric: the mapping key of the values.
+
+    Returns:
+        E(a, b), a float.
+
+    Raises:
+        ValueError: if a run has no samples, times that are negative or not
+            increasing, lengths that differ, or run b's integral is 0.
+    """
+    times_a, values_a = _curve(history_a, metric, "a")
+    times_b, values_b = _curve(history_b, metric, "b")
+    end = min(times_a[-1], times_b[-1])
+    denominator = _integral(times_b, values_b, end)
+    if denominator == 0:
+        raise ValueError(
+            f"Run b's {metric} integrates to 0 over [0, {end}]; E(a, b) is "
+            "undefined."
+        )
+    return _integral(times_a, values_a, end) / denominator
+
+
+def _curve(history, metric, name):
+    if hasattr(history, "history"):  # a keras.callbacks.History
+        history = history.history
+    if isinstance(history, dict):
+        missing = [key for key in ("time", metric) if key not in history]
+        if missing:
+            raise ValueError(
+                f"Run {name} has no {missing} entries; it needs 'time' and "
+                f"{metric!r}. It has {sorted(history)}."
+            )
+        times, values = history["time"], history[metric]
+    else:
+        times, values = history
+    times = np.asarray(times, np.float64)
+    values = np.asarray(values, np.float64)
+    if times.ndim != 1 or times.shape != values.shape or times.size == 0:
+        raise ValueError(
+            f"Run {name} needs as many times as values, at least one; "
+            f"received shapes {times.shape} and {values.shape}."
+        )
+    if times[0] < 0 or np.any(np.diff(times) <= 0):
+        raise ValueError(
+            f"Run {name}'s times must be >= 0 and increasing; received "
+            f"{times.tolist()}."
+        )
+    return times, values
+
+
+def _integral(times, values, end):
+    """∫₀^end of the curve through (times, values), held before times[0]."""
+    inside = times < end
+    grid = np.concatenate([[0.0], times[inside], [end]])
+    curve = np.interp(grid, times, values)  # np.interp holds the ends
+    return float(np.sum((curve[1:] + curve[:-1]) / 2 * np.diff(grid)))
