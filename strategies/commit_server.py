@@ -37,15 +37,22 @@ class CommitServer:
         self.optimizer = optimizer
         self.centers = list(centers)
         self.commits = tf.Variable(0, dtype=tf.int64, trainable=False, name="commits")
-        self.rejected = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="rejected_commits"
-        )
-        self.duplicates = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="duplicate_commits"
-        )
-        self.applied_windows = tf.Variable(
-            tf.zeros([num_windows], tf.int8), trainable=False, name="applied_windows"
-        )
+        # Colocated variables are never partitioned, whatever the strategy's
+        # `variable_partitioner`: the window record stays one variable,
+        # indexed by window id, on the server that holds the counter.
+        strategy = tf.distribute.get_strategy()
+        with strategy.extended.colocate_vars_with(self.commits):
+            self.rejected = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="rejected_commits"
+            )
+            self.duplicates = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="duplicate_commits"
+            )
+            self.applied_windows = tf.Variable(
+                tf.zeros([num_windows], tf.int8),
+                trainable=False,
+                name="applied_windows",
+            )
         self._lock = tf.CriticalSection(name="commit_lock")
         optimizer.outer_optimizer.build(self.centers)
 

@@ -59,7 +59,9 @@ def agn():
     return tf_agn.optimizers.AGN(keras.optimizers.Adam(0.01), local_steps=LOCAL_STEPS)
 
 
-def one_worker_against_simulator():
+def one_worker_against_simulator(num_ps="1"):
+    """With 2 ps, every variable is split in 2 shards (`variable_partitioner`)."""
+    num_ps = int(num_ps)
     reference = linear_model(agn())
     simulation = tf_agn.strategies.simulate(
         reference,
@@ -69,9 +71,13 @@ def one_worker_against_simulator():
     )
     # Read before connecting: local variables are unreachable afterwards.
     expected = [w.tolist() for w in reference.get_weights()]
-    with LocalCluster(num_workers=1) as cluster:
-        with parameter_server(cluster).scope():
+    with LocalCluster(num_workers=1, num_ps=num_ps) as cluster:
+        strategy = parameter_server(cluster, variable_partitioner=num_ps)
+        with strategy.scope():
             model = linear_model(agn())
+        shards = [
+            len(getattr(v.value, "variables", [v])) for v in model.trainable_variables
+        ]
         history = tf_agn.strategies.fit(
             model,
             sequence_batches,
@@ -86,6 +92,7 @@ def one_worker_against_simulator():
             "loss": history.history["loss"][0],
             "simulated_loss": float(np.mean(simulation.losses)),
             "staleness": history.staleness.values().tolist(),
+            "shards": shards,
         }
 
 

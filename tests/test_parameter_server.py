@@ -35,10 +35,12 @@ def run_scenario(name, *args, returncode=0, timeout=300):
     return None, result.stdout
 
 
-def test_one_worker_cluster_matches_the_simulator():
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_one_worker_cluster_matches_the_simulator(num_ps):
     # One worker commits in order, so the real runtime and the oracle agree
-    # to rounding.
-    result, _ = run_scenario("one_worker_against_simulator")
+    # to rounding, also with every variable split across 2 ps.
+    result, _ = run_scenario("one_worker_against_simulator", num_ps)
+    assert result["shards"] == [num_ps, num_ps]
     for actual, expected in zip(result["actual"], result["expected"]):
         assert np.abs(np.asarray(expected) - 0.1).max() > 1e-3  # it trained
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
