@@ -261,3 +261,30 @@ def test_bad_orders_and_models_are_refused():
         tf_agn.optimizers.DOWNPOUR(local_steps=0)
     with pytest.raises(ValueError, match="rho \\* learning_rate must be in"):
         tf_agn.optimizers.AEASGD(rho=200.0, learning_rate=0.01)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: tf_agn.optimizers.AGN(sgd(), local_steps=4, normalize=False),
+        lambda: tf_agn.optimizers.DOWNPOUR(sgd(), local_steps=3),
+        lambda: tf_agn.optimizers.DynSGD(local_steps=2),
+        lambda: tf_agn.optimizers.AEASGD(local_steps=5, rho=2.0, learning_rate=0.1),
+        lambda: tf_agn.optimizers.EAMSGD(local_steps=6),
+    ],
+)
+def test_every_algorithm_saves_and_loads(make_optimizer, tmp_path):
+    optimizer = make_optimizer()
+    model = linear_model(optimizer)
+    model.fit(
+        *[a.reshape(-1, a.shape[-1]) for a in batches(0, 4)],
+        batch_size=BATCH,
+        verbose=0
+    )
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is type(optimizer)
+    assert loaded.optimizer.get_config() == optimizer.get_config()
+    assert type(loaded.optimizer.inner_optimizer) is type(optimizer.inner_optimizer)
+    assert_weights_close(loaded.get_weights(), model.get_weights())
