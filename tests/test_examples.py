@@ -193,3 +193,35 @@ def test_mnist_parameter_server_runs_every_algorithm(algorithm):
     assert re.search(r"^commits=4$", stdout, re.MULTILINE), stdout
     accuracy = printed_accuracy(stdout)
     assert math.isfinite(accuracy) and 0 <= accuracy <= 1
+
+
+def test_mnist_parameter_server_under_the_launcher():
+    # The README's multi-process command: the launcher starts the servers
+    # and the example coordinates them through TF_CONFIG.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tf_agn.strategies.launch",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--",
+            sys.executable,
+            MNIST_PARAMETER_SERVER,
+            "--epochs=1",
+            "--train_samples=640",
+            "--local_steps=5",
+            "--verbose=0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Coordinating the cluster of TF_CONFIG." in result.stdout
+    assert re.search(r"^commits=4$", result.stdout, re.MULTILINE), result.stdout
