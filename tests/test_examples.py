@@ -178,8 +178,9 @@ def test_mnist_parameter_server_agn_reaches_ninety_percent():
     assert re.search(r"^commits=130$", stdout, re.MULTILINE), stdout
 
 
-@pytest.mark.parametrize("algorithm", ["downpour", "dynsgd", "aeasgd", "eamsgd"])
-def test_mnist_parameter_server_runs_every_algorithm(algorithm):
+# One of each family; tests/test_simulate.py checks every rule exactly.
+@pytest.mark.parametrize("algorithm", ["dynsgd", "eamsgd"])
+def test_mnist_parameter_server_runs_other_algorithms(algorithm):
     stdout = run_example(
         MNIST_PARAMETER_SERVER,
         f"--algorithm={algorithm}",
