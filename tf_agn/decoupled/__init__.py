@@ -4,4 +4,5 @@
 on K devices, all stages at work in every tick (see `DecoupledModel`).
 """
 
+from tf_agn.decoupled.model import DecoupledModel
 from tf_agn.decoupled.split import split_model
