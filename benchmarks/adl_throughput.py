@@ -55,11 +55,11 @@ flags.DEFINE_integer(
     "accumulation_steps", 0, "ADL's M; 0 means 2 (K - 1) for each K.", 0
 )
 flags.DEFINE_integer("width", 1024, "Units per hidden layer.", 1)
-flags.DEFINE_integer("depth", 8, "Hidden layers.", 1)
+flags.DEFINE_integer("depth", 4, "Hidden layers.", 1)
 flags.DEFINE_integer("batch_size", 128, "Examples per batch (per tick).", 1)
 flags.DEFINE_integer("steps", 32, "Batches per timed round.", 1)
 flags.DEFINE_integer("repeats", 3, "Interleaved timed rounds per config.", 1)
-flags.DEFINE_integer("budget_epochs", 2, "Epochs of the accuracy run.", 0)
+flags.DEFINE_integer("budget_epochs", 5, "Epochs of the accuracy run.", 0)
 flags.DEFINE_integer(
     "train_samples", 0, "Accuracy run: first N MNIST samples; 0 = all.", 0
 )
@@ -198,10 +198,11 @@ def report(configs, samples_per_round):
 
 def main(argv):
     del argv
-    stage_counts = [int(k) for k in FLAGS.stages]
-    devices = tf_agn.strategies.split_cpu(max(stage_counts + [1]))
+    # Both before TensorFlow starts: split_cpu starts it.
     if FLAGS.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    stage_counts = [int(k) for k in FLAGS.stages]
+    devices = tf_agn.strategies.split_cpu(max(stage_counts + [1]))
     tf.get_logger().setLevel("ERROR")
     all_configs = configs()
     print(
