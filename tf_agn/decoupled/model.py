@@ -78,6 +78,18 @@ class DecoupledModel:
         schedule: "adl", "ddg" or "bp".
         reduction: "mean" or "sum" of the M accumulated gradients.
 
+    Attributes:
+        stages: the K stage models.
+        devices: the full name of each stage's device.
+        schedule: the `tf_agn.decoupled.schedule.Schedule`: each stage's
+            forward lag and delay D_k.
+        optimizers: each stage's optimizer, after `compile`.
+        tick_trace: after `fit`, an int32 array `[tick, 2, K]`: the batch
+            each stage forwarded (`[:, 0]`) and backpropagated (`[:, 1]`) in
+            every tick of that `fit`, -1 for none, as the ids travelled
+            through the buffers.
+        history: the `keras.callbacks.History` of the last `fit`.
+
     Raises:
         ValueError: if `stages` is empty or holds something else, a device
             is unknown or their number is not K, or `accumulation_steps`,
