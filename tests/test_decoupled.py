@@ -14,7 +14,7 @@ from tf_agn.decoupled.schedule import Schedule
 
 
 def tiny_stages(num_stages, width=4, seed=0):
-    """`num_stages` tanh layers on 3 features, then a linear head of 2."""
+    """K − 1 stages of one tanh layer on 3 features, then a linear head."""
     keras.utils.set_random_seed(seed)
     shapes = [3] + [width] * num_stages
     stages = [

@@ -186,33 +186,41 @@ def _cost(node, balance):
 
 
 def _balanced_cuts(costs, boundaries, num_stages):
-    """The cuts, among `boundaries`, minimizing the largest stage's cost."""
-    prefix = np.concatenate([[0], np.cumsum(costs)])
+    """The cuts, among `boundaries`, minimizing the largest stage's cost.
+
+    Among cuts with the same largest stage, the most even ones win (the
+    least sum of squared stage costs), so no stage is left nearly empty
+    while another could take some of its neighbour's layers.
+    """
+    prefix = np.concatenate([[0], np.cumsum(costs, dtype=np.float64)])
     ends = boundaries + [len(costs) - 1]  # a stage ends after one of these
 
     def stage_cost(after, end):  # nodes after..end, after excluded
         return prefix[end + 1] - prefix[after + 1]
 
-    # best[s][j]: (largest cost, cuts) of s + 1 stages covering nodes up to
-    # ends[j]. Dynamic programming: at most K x (cut points)^2 steps.
-    best = [{j: (stage_cost(-1, end), []) for j, end in enumerate(ends)}]
+    # plans[j]: (largest cost, sum of squared costs, cuts) of the best split
+    # of nodes up to ends[j] into the stages so far. Dynamic programming:
+    # at most K x (cut points)^2 steps.
+    plans = {
+        j: (cost, cost**2, [])
+        for j, cost in enumerate(stage_cost(-1, end) for end in ends)
+    }
     for _ in range(1, num_stages):
-        previous = best[-1]
-        best.append(
-            {
-                j: min(
-                    (
-                        max(previous[i][0], stage_cost(ends[i], ends[j])),
-                        previous[i][1] + [ends[i]],
-                    )
-                    for i in range(j)
-                    if i in previous
+        plans = {
+            j: min(
+                (
+                    max(plans[i][0], cost),
+                    plans[i][1] + cost**2,
+                    plans[i][2] + [ends[i]],
                 )
-                for j in range(1, len(ends))
-                if any(i in previous for i in range(j))
-            }
-        )
-    return best[-1][len(ends) - 1][1]
+                for i in range(j)
+                if i in plans
+                for cost in [stage_cost(ends[i], ends[j])]
+            )
+            for j in range(1, len(ends))
+            if any(i in plans for i in range(j))
+        }
+    return plans[len(ends) - 1][2]
 
 
 def _check_round_trip(model, stages):
