@@ -25,12 +25,15 @@ model large enough that stage compute dominates. Logical CPU devices share
 the machine's cores: with fewer cores than stages the stages cannot all
 run at once, and BP's large matrix products already use every core
 through TensorFlow's intra-op threads. `--intra_op_threads=1` gives each
-operation one core, the setting closest to one core per stage.
+operation one core, the setting closest to one core per stage;
+`--inter_op_threads=1` runs one operation at a time, so the stages of a
+tick cannot overlap: the difference to the default is what overlap gains.
 
 Usage:
 
     python benchmarks/adl_throughput.py
     python benchmarks/adl_throughput.py --intra_op_threads=1
+    python benchmarks/adl_throughput.py --inter_op_threads=1 --budget_epochs=0
     python benchmarks/adl_throughput.py --width=64 --depth=4 --steps=8
 """
 
@@ -57,14 +60,21 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("width", 1024, "Units per hidden layer.", 1)
 flags.DEFINE_integer("depth", 4, "Hidden layers.", 1)
 flags.DEFINE_integer("batch_size", 128, "Examples per batch (per tick).", 1)
-flags.DEFINE_integer("steps", 32, "Batches per timed round.", 1)
-flags.DEFINE_integer("repeats", 3, "Interleaved timed rounds per config.", 1)
+flags.DEFINE_integer("steps", 64, "Batches per timed round.", 1)
+flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds per config.", 1)
 flags.DEFINE_integer("budget_epochs", 5, "Epochs of the accuracy run.", 0)
 flags.DEFINE_integer(
     "train_samples", 0, "Accuracy run: first N MNIST samples; 0 = all.", 0
 )
 flags.DEFINE_integer(
     "intra_op_threads", 0, "TensorFlow's threads per operation; 0: default.", 0
+)
+flags.DEFINE_integer(
+    "inter_op_threads",
+    0,
+    "TensorFlow's threads running independent operations at once; 1 runs "
+    "the stages of a tick one after the other. 0: default.",
+    0,
 )
 
 BASELINE = "bp_1"
@@ -198,9 +208,11 @@ def report(configs, samples_per_round):
 
 def main(argv):
     del argv
-    # Both before TensorFlow starts: split_cpu starts it.
+    # Before TensorFlow starts: split_cpu starts it.
     if FLAGS.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    if FLAGS.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
     stage_counts = [int(k) for k in FLAGS.stages]
     devices = tf_agn.strategies.split_cpu(max(stage_counts + [1]))
     tf.get_logger().setLevel("ERROR")
@@ -208,7 +220,8 @@ def main(argv):
     print(
         f"{os.cpu_count()} CPU cores, {len(devices)} logical CPU devices "
         f"sharing them; intra-op threads "
-        f"{FLAGS.intra_op_threads or 'default'}; MLP 784-"
+        f"{FLAGS.intra_op_threads or 'default'}, inter-op threads "
+        f"{FLAGS.inter_op_threads or 'default'}; MLP 784-"
         f"{'-'.join([str(FLAGS.width)] * FLAGS.depth)}-10; batch "
         f"{FLAGS.batch_size}; {FLAGS.steps} batches x {FLAGS.repeats} rounds; "
         f"accuracy after {FLAGS.budget_epochs} epochs of mnist5k."
