@@ -135,6 +135,7 @@ class DecoupledModel:
 
     @property
     def num_stages(self):
+        """K, the number of stages."""
         return len(self.stages)
 
     def compile(self, optimizer="rmsprop", loss=None, metrics=None):
@@ -229,16 +230,19 @@ class DecoupledModel:
             self._reset_metrics()
             order = np.random.permutation(len(x)) if shuffle else np.arange(len(x))
             for tick in range(self.schedule.num_ticks(num_batches)):
+                # Batch `tick` enters at tick `tick`; then the pipeline
+                # drains, fed empty batches with id -1.
                 feeding = tick < num_batches
                 if feeding:
                     callbacks.on_train_batch_begin(tick)
                     batch = order[tick * batch_size : (tick + 1) * batch_size]
-                    inputs = (x[batch], y[batch], tick)
+                    x_batch, y_batch, batch_id = x[batch], y[batch], tick
                 else:
-                    inputs = (empty_x, empty_y, -1)
+                    x_batch, y_batch, batch_id = empty_x, empty_y, -1
                 ids = pipeline.tick(
-                    *inputs[:2],
-                    tf.constant(inputs[2], tf.int32),
+                    x_batch,
+                    y_batch,
+                    tf.constant(batch_id, tf.int32),
                     tf.constant(tick, tf.int64),
                 )
                 self.tick_trace.append(np.stack([i.numpy() for i in ids]))
