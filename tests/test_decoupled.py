@@ -246,23 +246,64 @@ def test_steady_state_staleness_is_d_over_m():
 # Devices ---------------------------------------------------------------------
 
 
+def tick_graph(model):
+    x, y = regression_data(4)
+    return model._pipeline.tick.get_concrete_function(
+        tf.constant(x), tf.constant(y), tf.constant(0), tf.constant(0, tf.int64)
+    ).graph
+
+
 def test_each_stage_computes_on_its_device(devices):
     model = fit_tiny(devices, 3, 3)
-    graph = model._pipeline.tick.get_concrete_function(
-        *[tf.TensorSpec(s.shape, s.dtype) for s in _tick_args(model)]
-    ).graph
     matmul_devices = {
         op.device.split("device:")[-1]
-        for op in graph.get_operations()
+        for op in tick_graph(model).get_operations()
         if op.type == "MatMul"
     }
     assert matmul_devices == {"CPU:0", "CPU:1", "CPU:2"}
     assert model._pipeline.stored_inputs[1].device.endswith("CPU:1")
 
 
-def _tick_args(model):
-    x, y = regression_data(4)
-    return [tf.constant(x), tf.constant(y), tf.constant(0), tf.constant(0, tf.int64)]
+@pytest.mark.parametrize(
+    "schedule, dependencies",
+    [
+        # ADL: within a tick, no stage waits for another.
+        ("adl", set()),
+        # DDG: the forward is chained; the delayed backwards are not.
+        ("ddg", {(0, 1), (0, 2), (1, 2)}),
+        # BP: the forward, then the backward, through every stage.
+        ("bp", {(k, j) for k in range(3) for j in range(3) if k != j}),
+    ],
+)
+def test_which_stages_wait_for_which_within_a_tick(devices, schedule, dependencies):
+    """(k, j): a matrix product of stage j depends, through data or control
+    edges of the tick's graph, on one of stage k."""
+    graph = tick_graph(fit_tiny(devices, 3, 3, schedule=schedule))
+
+    def stage(op):
+        return int(op.device[-1]) if op.type == "MatMul" else None
+
+    found = set()
+    for op in graph.get_operations():
+        if stage(op) is not None:
+            found |= {
+                (stage(before), stage(op))
+                for before in ancestors(op)
+                if stage(before) not in (None, stage(op))
+            }
+    assert found == dependencies
+
+
+def ancestors(op):
+    """Every op `op` waits for in its graph: data inputs and control edges."""
+    seen, pending = {}, [op]
+    while pending:
+        current = pending.pop()
+        for before in [t.op for t in current.inputs] + current.control_inputs:
+            if before.name not in seen:
+                seen[before.name] = before
+                pending.append(before)
+    return list(seen.values())
 
 
 # Learning ------------------------------------------------------------------
