@@ -15,7 +15,12 @@ setup(
     # The distribution side lives in the top-level `strategies/` folder but
     # installs inside the package, so no generic `strategies` module lands
     # in site-packages.
-    packages=["tf_agn", "tf_agn.optimizers", "tf_agn.strategies"],
+    packages=[
+        "tf_agn",
+        "tf_agn.decoupled",
+        "tf_agn.optimizers",
+        "tf_agn.strategies",
+    ],
     package_dir={"tf_agn.strategies": "strategies"},
     install_requires=[
         "tensorflow>=2.16",

@@ -21,3 +21,36 @@ def mlp(input_shape, num_classes, hidden_units=(256, 128)):
         + [keras.layers.Dense(units, activation="relu") for units in hidden_units]
         + [keras.layers.Dense(num_classes, activation="softmax")]
     )
+
+
+def cnn(input_shape, num_classes, filters=(16, 32), dense_units=128):
+    """A small convolutional network with a softmax over `num_classes`.
+
+    Each entry of `filters` adds a 3x3 ReLU convolution and a 2x2 max
+    pooling; a ReLU dense layer and the softmax follow. Every layer's
+    output is the only tensor the next one reads, so `tf_agn.decoupled.
+    split_model` can cut after any layer.
+
+    Args:
+        input_shape: the shape of one image, e.g. `(28, 28, 1)`.
+        num_classes: the number of output classes.
+        filters: the channels of each convolution, in order.
+        dense_units: the width of the hidden dense layer.
+
+    Returns:
+        A `keras.Sequential` model.
+    """
+    layers = [keras.Input(shape=input_shape)]
+    for channels in filters:
+        layers += [
+            keras.layers.Conv2D(channels, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+        ]
+    return keras.Sequential(
+        layers
+        + [
+            keras.layers.Flatten(),
+            keras.layers.Dense(dense_units, activation="relu"),
+            keras.layers.Dense(num_classes, activation="softmax"),
+        ]
+    )

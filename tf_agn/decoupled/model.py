@@ -1,0 +1,452 @@
+"""`DecoupledModel`: model-parallel training with delayed, accumulated
+gradients (ADL), and its DDG and BP baselines on the same machinery."""
+
+import keras
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.trainers.compile_utils import CompileMetrics
+import numpy as np
+import tensorflow as tf
+
+from tf_agn.decoupled.pipeline import Pipeline
+from tf_agn.decoupled.schedule import Schedule
+
+REDUCTIONS = ("mean", "sum")
+
+
+class DecoupledModel:
+    """Trains K stages of a network, stage k on device k, decoupled.
+
+    Accumulated Decoupled Learning (Zhuang, Lin and Toh, 2020, arXiv
+    2012.03747) lets the K stages work at once: in every tick, stage k
+    forwards the activation stage k − 1 sent it one tick earlier and
+    backpropagates the batch it forwarded D_k = 2 (K − 1 − k) ticks earlier,
+    with the gradient stage k + 1 sent back. It adds every backward pass to
+    an accumulator and steps its own optimizer after M of them
+    (`accumulation_steps`), which cuts the staleness of its gradients, the
+    number of its weight updates between a batch's forward and backward,
+    from D_k to about D_k / M; M >= 2 (K − 1) keeps it at most 1. With M = 1
+    this is FDG. See `tf_agn.decoupled.schedule` for the timing of each
+    schedule:
+
+    - `"adl"`: decoupled forward and backward, as above.
+    - `"ddg"`: decoupled backward only (Huo et al., 2018): one chained
+      forward per tick, stage k's backward delayed by K − 1 − k ticks.
+    - `"bp"`: ordinary backpropagation, the stages one after the other:
+      exact, and the reference.
+
+    The delayed backward of a stage stores the stage's input at forward
+    time and recomputes its forward from it with the weights current at
+    backward time, as ADL's official code does. Stored state, bounded:
+    stage k keeps D_k inputs (a ring buffer of fixed batch size), one
+    incoming activation and one incoming gradient batch, one accumulator
+    per weight, and its optimizer's state. In all, ADL keeps K (K − 1) stage
+    inputs plus K − 1 label batches; DDG K (K − 1) / 2; BP none.
+
+    `mean` (the default `reduction`) applies the mean of the M accumulated
+    gradients, so the learning rate means what it means for BP; the
+    official code applies their sum (`reduction="sum"`), M times larger.
+
+    Every stage has its own optimizer, a copy of the compiled one: an
+    element-wise optimizer (SGD, Adam, ...) with M = 1 steps exactly as one
+    optimizer over the whole model would; global-norm clipping clips each
+    stage on its own.
+
+    Example:
+
+    ```python
+    tf_agn.strategies.split_cpu(2)  # before TensorFlow starts
+    stages = tf_agn.decoupled.split_model(model, 2)
+    decoupled = tf_agn.decoupled.DecoupledModel(stages, accumulation_steps=2)
+    decoupled.compile(
+        optimizer="adam",
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    decoupled.fit(x_train, y_train, batch_size=128, epochs=3)
+    decoupled.evaluate(x_test, y_test)
+    decoupled.staleness()  # per stage: mean and histogram
+    ```
+
+    Args:
+        stages: K stages, each a Keras model, a layer or a list of layers
+            (made a `keras.Sequential`), stage k's output feeding stage
+            k + 1; e.g. from `split_model`.
+        devices: one device name per stage; None takes the first K logical
+            GPUs, or else the first K logical CPUs.
+        accumulation_steps: M, the backward passes a stage accumulates per
+            optimizer step (an int >= 1).
+        schedule: "adl", "ddg" or "bp".
+        reduction: "mean" or "sum" of the M accumulated gradients.
+
+    Attributes:
+        stages: the K stage models.
+        devices: the full name of each stage's device.
+        schedule: the `tf_agn.decoupled.schedule.Schedule`: each stage's
+            forward lag and delay D_k.
+        optimizers: each stage's optimizer, after `compile`.
+        tick_trace: after `fit`, an int32 array `[tick, 2, K]`: the batch
+            each stage forwarded (`[:, 0]`) and backpropagated (`[:, 1]`) in
+            every tick of that `fit`, -1 for none, as the ids travelled
+            through the buffers.
+        history: the `keras.callbacks.History` of the last `fit`.
+
+    Raises:
+        ValueError: if `stages` is empty or holds something else, a device
+            is unknown or their number is not K, or `accumulation_steps`,
+            `schedule` or `reduction` is not allowed.
+    """
+
+    def __init__(
+        self,
+        stages,
+        devices=None,
+        accumulation_steps=1,
+        schedule="adl",
+        reduction="mean",
+    ):
+        self.stages = [_as_model(stage, k) for k, stage in enumerate(stages)]
+        if not self.stages:
+            raise ValueError("stages must hold at least one stage; received [].")
+        num_stages = len(self.stages)
+        if (
+            isinstance(accumulation_steps, bool)
+            or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1
+        ):
+            raise ValueError(
+                "accumulation_steps must be an int >= 1; received "
+                f"{accumulation_steps!r}."
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"Unknown reduction {reduction!r}. Allowed: "
+                f"{', '.join(REDUCTIONS)}."
+            )
+        self.schedule = Schedule(schedule, num_stages)
+        self.devices = _resolve_devices(devices, num_stages)
+        self.accumulation_steps = accumulation_steps
+        self.reduction = reduction
+        self.optimizers = None
+        self.stop_training = False
+        self.history = None
+        self.tick_trace = None
+        self._pipeline = None
+        self._predict_function = None
+
+    @property
+    def num_stages(self):
+        """K, the number of stages."""
+        return len(self.stages)
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None):
+        """Sets the optimizer every stage copies, the loss and the metrics.
+
+        Args:
+            optimizer: a Keras optimizer or its name; each stage gets a
+                fresh copy from its config.
+            loss: a Keras loss, its name or a function `(y_true, y_pred)`.
+            metrics: a list of Keras metrics or their names, as for
+                `keras.Model.compile`.
+        """
+        optimizer = keras.optimizers.get(optimizer)
+        self.optimizers = [
+            optimizer.__class__.from_config(optimizer.get_config()) for _ in self.stages
+        ]
+        loss = keras.losses.get(loss)
+        self.loss = (
+            loss if isinstance(loss, keras.losses.Loss) else LossFunctionWrapper(loss)
+        )
+        self._loss_tracker = keras.metrics.Mean(name="loss")
+        self._compiled_metrics = CompileMetrics(metrics, None) if metrics else None
+        self._pipeline = None
+        self._predict_function = None
+
+    def fit(
+        self,
+        x,
+        y,
+        batch_size=32,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_data=None,
+        shuffle=True,
+    ):
+        """Trains for `epochs` passes over `(x, y)`, like `keras.Model.fit`.
+
+        Every epoch feeds its batches one per tick, then drains the pipeline
+        (`Schedule.num_ticks`), so at the end of an epoch all its batches
+        have been applied and validation, checkpoints and early stopping see
+        a consistent model. Draining idles stages for up to 2 (K − 1) ticks
+        per epoch. Accumulators are not flushed: fewer than M remaining
+        backward passes wait for the next epoch.
+
+        Args:
+            x: the training inputs, a numpy array.
+            y: the training labels.
+            batch_size: examples per batch; a last partial batch is dropped,
+                as the buffers hold a fixed batch size.
+            epochs: passes over the data.
+            verbose: 0 silent, 1 progress bar, 2 one line per epoch; "auto"
+                is 1.
+            callbacks: Keras callbacks; they see this model as their
+                `model` (with `stop_training`, `get_weights`, ...).
+            validation_data: `(x_val, y_val)`, evaluated after every epoch.
+            shuffle: reshuffle the training data every epoch.
+
+        Returns:
+            The `keras.callbacks.History` of the run.
+
+        Raises:
+            RuntimeError: if the model is not compiled.
+            ValueError: if there are fewer examples than `batch_size`.
+        """
+        self._check_compiled()
+        x, y = np.asarray(x), np.asarray(y)
+        num_batches = len(x) // batch_size
+        if num_batches < 1:
+            raise ValueError(
+                f"fit needs at least batch_size={batch_size} examples; "
+                f"received {len(x)}."
+            )
+        pipeline = self._pipeline_for(x[:batch_size], y[:batch_size])
+        verbose = 1 if verbose == "auto" else verbose
+        callbacks = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            model=self,
+            verbose=verbose,
+            epochs=epochs,
+            steps=num_batches,
+        )
+        self.stop_training = False
+        self.tick_trace = []
+        empty_x = tf.zeros_like(x[:batch_size])
+        empty_y = tf.zeros_like(y[:batch_size])
+        callbacks.on_train_begin()
+        for epoch in range(epochs):
+            callbacks.on_epoch_begin(epoch)
+            self._reset_metrics()
+            order = np.random.permutation(len(x)) if shuffle else np.arange(len(x))
+            for tick in range(self.schedule.num_ticks(num_batches)):
+                # Batch `tick` enters at tick `tick`; then the pipeline
+                # drains, fed empty batches with id -1.
+                feeding = tick < num_batches
+                if feeding:
+                    callbacks.on_train_batch_begin(tick)
+                    batch = order[tick * batch_size : (tick + 1) * batch_size]
+                    x_batch, y_batch, batch_id = x[batch], y[batch], tick
+                else:
+                    x_batch, y_batch, batch_id = empty_x, empty_y, -1
+                ids = pipeline.tick(
+                    x_batch,
+                    y_batch,
+                    tf.constant(batch_id, tf.int32),
+                    tf.constant(tick, tf.int64),
+                )
+                self.tick_trace.append(np.stack([i.numpy() for i in ids]))
+                if feeding:
+                    callbacks.on_train_batch_end(tick, self._logs())
+            logs = self._logs()
+            if validation_data is not None:
+                val_logs = self.evaluate(
+                    *validation_data, batch_size=batch_size, return_dict=True
+                )
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callbacks.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        callbacks.on_train_end(logs)
+        self.tick_trace = np.stack(self.tick_trace)
+        return self.history
+
+    def evaluate(self, x, y, batch_size=32, verbose=0, return_dict=False):
+        """The loss and metrics on `(x, y)`, the stages run in sequence.
+
+        Returns:
+            The loss if no metrics were compiled, else `[loss, *metrics]`,
+            or a dict of them with `return_dict`.
+        """
+        self._check_compiled()
+        self._reset_metrics()
+        predictions = self.predict(x, batch_size=batch_size, verbose=verbose)
+        for start in range(0, len(x), batch_size):
+            end = start + batch_size
+            y_batch = tf.convert_to_tensor(y[start:end])
+            y_pred = tf.convert_to_tensor(predictions[start:end])
+            self._loss_tracker.update_state(
+                self.loss(y_batch, y_pred), sample_weight=len(y_batch)
+            )
+            if self._compiled_metrics is not None:
+                self._compiled_metrics.update_state(y_batch, y_pred)
+        logs = self._logs()
+        if return_dict:
+            return logs
+        return logs["loss"] if len(logs) == 1 else list(logs.values())
+
+    def predict(self, x, batch_size=32, verbose=0):
+        """The model's output on `x`, the stages run in sequence on their
+        devices, in inference mode; `verbose` is accepted for Keras
+        compatibility and ignored."""
+        del verbose
+        if self._predict_function is None:
+            self._predict_function = tf.function(self._forward, reduce_retracing=True)
+        outputs = [
+            self._predict_function(x[start : start + batch_size])
+            for start in range(0, len(x), batch_size)
+        ]
+        return np.concatenate([keras.ops.convert_to_numpy(o) for o in outputs])
+
+    def _forward(self, x, training=False):
+        for stage, device in zip(self.stages, self.devices):
+            with tf.device(device):
+                x = stage(x, training=training)
+        return x
+
+    def staleness(self):
+        """The staleness measured so far, per stage.
+
+        A batch's staleness at stage k is the number of stage k's optimizer
+        steps between its forward and its backward there, read from the
+        step counters inside the tick function.
+
+        Returns:
+            A list with, per stage, `{"delay": D_k, "mean": float or None
+            before any backward pass, "histogram": {staleness: batches}}`.
+        """
+        if self._pipeline is None:
+            return [
+                {"delay": d, "mean": None, "histogram": {}}
+                for d in self.schedule.delays
+            ]
+        report = []
+        for delay, histogram in zip(self.schedule.delays, self._pipeline.histograms):
+            counts = histogram.numpy()
+            total = counts.sum()
+            report.append(
+                {
+                    "delay": delay,
+                    "mean": (
+                        float(counts @ np.arange(len(counts)) / total)
+                        if total
+                        else None
+                    ),
+                    "histogram": {s: int(c) for s, c in enumerate(counts) if c},
+                }
+            )
+        return report
+
+    def get_weights(self):
+        """The weights of every stage, in order, as numpy arrays."""
+        return [w for stage in self.stages for w in stage.get_weights()]
+
+    def set_weights(self, weights):
+        """Sets the weights of every stage from `get_weights`' list."""
+        weights = list(weights)
+        for stage in self.stages:
+            count = len(stage.weights)
+            stage.set_weights(weights[:count])
+            weights = weights[count:]
+
+    def _check_compiled(self):
+        if self.optimizers is None:
+            raise RuntimeError(
+                "Call compile(optimizer, loss, metrics) before fit or evaluate."
+            )
+
+    def _pipeline_for(self, x_batch, y_batch):
+        """The pipeline for this batch size, built on first use.
+
+        Runs one batch through the stages eagerly (in inference mode) to
+        build them and learn the shape of every activation.
+        """
+        batch_size = len(x_batch)
+        if self._pipeline is not None and self._pipeline.batch_size == batch_size:
+            return self._pipeline
+        specs = [tf.TensorSpec(x_batch.shape[1:], tf.as_dtype(x_batch.dtype))]
+        activation = x_batch
+        for stage, device, optimizer in zip(self.stages, self.devices, self.optimizers):
+            with tf.device(device):
+                activation = stage(activation, training=False)
+                optimizer.build(stage.trainable_variables)
+            specs.append(tf.TensorSpec(activation.shape[1:], activation.dtype))
+        if self._compiled_metrics is not None and not self._compiled_metrics.built:
+            self._compiled_metrics.build(y_batch, activation)
+        self._pipeline = Pipeline(
+            self.stages,
+            self.devices,
+            self.optimizers,
+            self.schedule,
+            self.accumulation_steps,
+            self.reduction,
+            self.loss,
+            (self._loss_tracker, self._compiled_metrics),
+            batch_size,
+            specs,
+            tf.TensorSpec(y_batch.shape[1:], tf.as_dtype(y_batch.dtype)),
+        )
+        return self._pipeline
+
+    def _reset_metrics(self):
+        self._loss_tracker.reset_state()
+        if self._compiled_metrics is not None:
+            self._compiled_metrics.reset_state()
+
+    def _logs(self):
+        logs = {"loss": self._loss_tracker.result()}
+        if self._compiled_metrics is not None:
+            logs.update(self._compiled_metrics.result())
+        return {name: float(value) for name, value in logs.items()}
+
+
+def _as_model(stage, index):
+    if isinstance(stage, keras.Model):
+        return stage
+    if isinstance(stage, keras.layers.Layer):
+        return keras.Sequential([stage])
+    if isinstance(stage, (list, tuple)) and all(
+        isinstance(layer, keras.layers.Layer) for layer in stage
+    ):
+        return keras.Sequential(list(stage))
+    raise ValueError(
+        f"Stage {index} must be a Keras model, a layer or a list of layers; "
+        f"received {stage!r}."
+    )
+
+
+def _resolve_devices(devices, num_stages):
+    """One full logical device name per stage."""
+    available = tf.config.list_logical_devices()
+    if devices is None:
+        for device_type in ("GPU", "CPU"):
+            names = [d.name for d in available if d.device_type == device_type]
+            if len(names) >= num_stages:
+                return names[:num_stages]
+        raise ValueError(
+            f"{num_stages} stages need {num_stages} devices, one each; found "
+            f"{[d.name for d in available]}. Split the CPU first, before "
+            f"TensorFlow starts: tf_agn.strategies.split_cpu({num_stages}); "
+            "or pass devices."
+        )
+    devices = list(devices)
+    if len(devices) != num_stages:
+        raise ValueError(
+            f"devices must name one device per stage, {num_stages}; received "
+            f"{len(devices)}: {devices}."
+        )
+    by_spec = {
+        (d.device_type, tf.DeviceSpec.from_string(d.name).device_index): d.name
+        for d in available
+    }
+    resolved = []
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device)
+        key = (spec.device_type and spec.device_type.upper(), spec.device_index)
+        if key not in by_spec:
+            raise ValueError(
+                f"Unknown device {device!r}. Allowed: "
+                f"{[d.name for d in available]}."
+            )
+        resolved.append(by_spec[key])
+    return resolved

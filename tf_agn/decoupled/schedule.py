@@ -1,0 +1,111 @@
+"""`Schedule`: when each stage forwards and backpropagates each batch.
+
+Training runs in ticks. Batch b enters the pipeline at tick b; stage k
+forwards it at tick b + f_k and backpropagates it D_k ticks later, at tick
+b + f_k + D_k. Every stage reads its weights once per tick, for both its
+forward and its backward, and steps its optimizer at the end of the tick.
+So, without accumulation, D_k optimizer steps of stage k fall between a
+batch's forward and its backward there: its staleness is D_k.
+
+| schedule | forward lag f_k | delay D_k     | within a tick              |
+|----------|-----------------|---------------|----------------------------|
+| `"adl"`  | k               | 2 (K − 1 − k) | the K stages independent   |
+| `"ddg"`  | 0               | K − 1 − k     | one chained forward        |
+| `"bp"`   | 0               | 0             | chained forward, backward  |
+
+Under ADL an activation moves one stage forward per tick and an input
+gradient one stage back, so stage k's gradient for batch b arrives from
+stage k + 1 at tick b + f_k + D_k − 1 and is used one tick later; the last
+stage (D = 0) forwards, takes the loss and backpropagates in one tick.
+"""
+
+import collections
+
+SCHEDULES = ("adl", "ddg", "bp")
+
+
+class Schedule:
+    """The timing of one of `SCHEDULES` over `num_stages` stages.
+
+    Args:
+        name: "adl", "ddg" or "bp".
+        num_stages: K, the number of stages (an int >= 1).
+
+    Raises:
+        ValueError: if `name` is not one of `SCHEDULES`.
+    """
+
+    def __init__(self, name, num_stages):
+        if name not in SCHEDULES:
+            raise ValueError(
+                f"Unknown schedule {name!r}. Allowed: {', '.join(SCHEDULES)}."
+            )
+        self.name = name
+        self.num_stages = num_stages
+        last = num_stages - 1
+        if name == "adl":
+            self.forward_lags = list(range(num_stages))
+            self.delays = [2 * (last - k) for k in range(num_stages)]
+        elif name == "ddg":
+            self.forward_lags = [0] * num_stages
+            self.delays = [last - k for k in range(num_stages)]
+        else:
+            self.forward_lags = [0] * num_stages
+            self.delays = [0] * num_stages
+
+    @property
+    def chained_forward(self):
+        """Whether stage k forwards stage k − 1's output of the same tick."""
+        return self.name != "adl"
+
+    @property
+    def backward_lags(self):
+        """f_k + D_k: stage k backpropagates batch b at tick b + this."""
+        return [f + d for f, d in zip(self.forward_lags, self.delays)]
+
+    def num_ticks(self, num_batches):
+        """Ticks until `num_batches` batches are fed and fully trained."""
+        return num_batches + max(self.backward_lags)
+
+    def forwarded(self, tick, num_batches):
+        """The batch each stage forwards at `tick`; -1 where none."""
+        return _batches_at(tick, self.forward_lags, num_batches)
+
+    def backpropagated(self, tick, num_batches):
+        """The batch each stage backpropagates at `tick`; -1 where none."""
+        return _batches_at(tick, self.backward_lags, num_batches)
+
+    def staleness(self, accumulation_steps, num_batches=None):
+        """The staleness the schedule predicts, per stage.
+
+        Stage k steps its optimizer after its backward passes number M, 2M,
+        ... (M = `accumulation_steps`), that is after it backpropagates
+        batches M − 1, 2M − 1, ... Batch b's staleness there counts those
+        steps during the D_k ticks from its forward to its backward: the
+        batches b' in [b − D_k, b − 1] with (b' + 1) % M == 0. In steady
+        state that is floor(D_k / M) or ceil(D_k / M), D_k / M on average.
+
+        Args:
+            accumulation_steps: M, backward passes per optimizer step.
+            num_batches: count batches 0 .. num_batches − 1 of one run from
+                an empty pipeline, where the first batches see fewer steps;
+                None gives the steady state (one whole cycle of M batches).
+
+        Returns:
+            Per stage, a `collections.Counter` {staleness: number of
+            batches}.
+        """
+        steps = accumulation_steps
+        first = 0 if num_batches is not None else 10 * steps * max(self.delays)
+        batches = range(first, first + (num_batches or steps))
+        return [
+            collections.Counter(
+                sum((b2 + 1) % steps == 0 for b2 in range(max(b - d, 0), b))
+                for b in batches
+            )
+            for d in self.delays
+        ]
+
+
+def _batches_at(tick, lags, num_batches):
+    return [tick - lag if 0 <= tick - lag < num_batches else -1 for lag in lags]
