@@ -31,10 +31,13 @@ class CommitServer:
         centers: the center variables (the model's trainable variables).
         num_windows: how many windows training schedules in all; window ids
             run from 0 to `num_windows - 1`.
+        reject_non_finite: whether step 2 applies. Turn it off only to study
+            what a poisoned commit does.
     """
 
-    def __init__(self, optimizer, centers, num_windows):
+    def __init__(self, optimizer, centers, num_windows, reject_non_finite=True):
         self.optimizer = optimizer
+        self.reject_non_finite = bool(reject_non_finite)
         self.centers = list(centers)
         self.commits = tf.Variable(0, dtype=tf.int64, trainable=False, name="commits")
         # Colocated variables are never partitioned, whatever the strategy's
@@ -80,6 +83,8 @@ class CommitServer:
             finite = tf.reduce_all(
                 [tf.reduce_all(tf.math.is_finite(delta)) for delta in deltas]
             )
+            if not self.reject_non_finite:
+                finite = tf.constant(True)
             fresh = tf.equal(self.applied_windows[window_id], 0)
 
             def accept():

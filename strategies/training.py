@@ -54,6 +54,7 @@ def fit(
     verbose="auto",
     checkpoint_dir=None,
     checkpoint_every=None,
+    reject_non_finite=True,
 ):
     """Trains `model` asynchronously on a `ParameterServerStrategy` cluster.
 
@@ -105,6 +106,8 @@ def fit(
             checkpoints.
         checkpoint_every: windows between checkpoints; None for epoch ends
             only.
+        reject_non_finite: whether the server rejects commits holding NaN
+            or Inf (the default).
 
     Returns:
         A `keras.callbacks.History`, with a `staleness` attribute.
@@ -133,7 +136,10 @@ def fit(
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
         server = CommitServer(
-            optimizer, model.trainable_variables, epochs * windows_per_epoch
+            optimizer,
+            model.trainable_variables,
+            epochs * windows_per_epoch,
+            reject_non_finite,
         )
         worker = Worker(model, optimizer, server, strategy)
     build_compiled_metrics(model, dataset_fn)

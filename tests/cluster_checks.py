@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import time
 import subprocess
 import sys
 
@@ -57,3 +58,35 @@ def run_in_fresh_process(script, *args, timeout=180):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.splitlines()[-1])
+
+
+def alive(pid):
+    """Whether process `pid` exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def running_servers(server_script):
+    """Ids of live processes running `server_script` (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if server_script.encode() in argv and alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
+def wait_for_no_servers(server_script, seconds=5):
+    """The servers still running after `seconds`; servers that watch their
+    parent exit about 0.5 s after it."""
+    deadline = time.monotonic() + seconds
+    while running_servers(server_script) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running_servers(server_script)

@@ -17,6 +17,17 @@ def devices():
     return list(DEVICES)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_server_outlives_the_suite():
+    """Every test that starts servers must stop them: none may remain."""
+    yield
+    from cluster_checks import wait_for_no_servers
+    from tf_agn.strategies import cluster
+
+    leaked = wait_for_no_servers(cluster._SERVER_SCRIPT)
+    assert not leaked, f"Server processes outlived the tests: {leaked}"
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: long end-to-end tests (deselect with -m 'not slow')"

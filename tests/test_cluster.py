@@ -18,8 +18,10 @@ import time
 
 import pytest
 
+from cluster_checks import alive
 from cluster_checks import checkout_env
 from cluster_checks import port_is_free
+from cluster_checks import running_servers
 from cluster_checks import run_in_fresh_process
 from tf_agn.strategies import LocalCluster
 from tf_agn.strategies import parameter_server
@@ -36,37 +38,15 @@ THREADS_WORKER = os.path.join(
 STARTED_PIDS = []
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _running_servers():
-    """Ids of live processes running this checkout's server script."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if SERVER_SCRIPT.encode() in argv and _alive(int(entry)):
-            pids.append(int(entry))
-    return pids
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_leaked_servers():
     yield
     deadline = time.monotonic() + 5  # Parent-watching servers take ~0.5 s.
-    while time.monotonic() < deadline and any(map(_alive, STARTED_PIDS)):
+    while time.monotonic() < deadline and any(map(alive, STARTED_PIDS)):
         time.sleep(0.1)
-    assert not [pid for pid in STARTED_PIDS if _alive(pid)]
+    assert not [pid for pid in STARTED_PIDS if alive(pid)]
     if os.path.isdir("/proc"):
-        assert not _running_servers()
+        assert not running_servers(SERVER_SCRIPT)
 
 
 def _port(address):
@@ -220,17 +200,17 @@ def test_stop_kills_every_server_and_frees_its_port():
 
         worker_1 = cluster.pids["worker"][1]
         cluster.kill_worker(1)
-        assert not _alive(worker_1)
+        assert not alive(worker_1)
         ps_0 = cluster.pids["ps"][0]
         cluster.kill_ps(0)
-        assert not _alive(ps_0)
+        assert not alive(ps_0)
         with pytest.raises(IndexError, match="No worker 2"):
             cluster.kill_worker(2)
         assert accepts(cluster.addresses["worker"][0])
     cluster.stop()  # Again: stopping is idempotent.
 
     for pid in pids:
-        assert not _alive(pid)
+        assert not alive(pid)
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # Reaped: no zombie left.
     assert all(port_is_free(_port(address)) for address in addresses)
@@ -255,7 +235,7 @@ def test_start_timeout_names_the_silent_address(monkeypatch, tmp_path):
         a in message for a in cluster.addresses["worker"] + cluster.addresses["ps"]
     )
     assert "within 1 s" in message
-    assert not any(map(_alive, pids))  # start() cleaned up after itself.
+    assert not any(map(alive, pids))  # start() cleaned up after itself.
 
 
 def test_server_that_cannot_bind_is_reported_with_its_output(monkeypatch, tmp_path):
@@ -319,8 +299,8 @@ def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
     # After SIGINT, `__exit__` kills the servers; after SIGKILL, each
     # server notices that its parent is gone within about a second.
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
     addresses = [a for job in ("worker", "ps") for a in started["addresses"][job]]
     assert all(port_is_free(_port(address)) for address in addresses)

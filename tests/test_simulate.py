@@ -288,3 +288,34 @@ def test_every_algorithm_saves_and_loads(make_optimizer, tmp_path):
     assert loaded.optimizer.get_config() == optimizer.get_config()
     assert type(loaded.optimizer.inner_optimizer) is type(optimizer.inner_optimizer)
     assert_weights_close(loaded.get_weights(), model.get_weights())
+
+
+@pytest.mark.parametrize("reject_non_finite", [True, False])
+def test_the_server_rejects_non_finite_commits_unless_told_not_to(reject_non_finite):
+    from tf_agn.strategies.commit_server import CommitServer
+
+    model = linear_model(tf_agn.optimizers.DynSGD(sgd(), local_steps=1))
+    server = CommitServer(
+        model.optimizer, model.trainable_variables, 2, reject_non_finite
+    )
+    delta = [np.full((FEATURES, 1), np.nan, np.float32), np.ones((1,), np.float32)]
+    staleness, outcome = server.apply(
+        delta, tf.constant(0, tf.int64), tf.constant(0, tf.int64)
+    )
+    assert int(staleness) == 0
+    kernel, bias = model.get_weights()
+    if reject_non_finite:
+        assert int(outcome) == tf_agn.strategies.REJECTED_NON_FINITE
+        assert np.isfinite(kernel).all() and bias[0] == 0
+        assert int(server.rejected.numpy()) == 1 and int(server.commits.numpy()) == 0
+    else:
+        assert int(outcome) == tf_agn.strategies.APPLIED
+        assert np.isnan(kernel).all() and bias[0] == 1
+    # A second commit of the same window is dropped either way.
+    _, again = server.apply(delta, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+    expected = (
+        tf_agn.strategies.REJECTED_NON_FINITE
+        if reject_non_finite
+        else tf_agn.strategies.DUPLICATE
+    )
+    assert int(again) == expected
