@@ -109,22 +109,39 @@ Setting = collections.namedtuple(
     ],
 )
 PAPER_GRID = tuple(range(10, 45, 5))
-STALE = ("agn", "downpour", "dynsgd")
+ALL_STALENESS_ALGORITHMS = ("agn", "downpour", "dynsgd")
 SETTINGS = {
     "paper": Setting(
-        (10, 20),
-        PAPER_GRID,
-        PAPER_GRID,
-        (1, 2, 4, 8, 16, 32, 64),
-        (2, 4, 8),
-        STALE,
-        None,
-        8,
+        divergence_workers=(10, 20),
+        grid_workers=PAPER_GRID,
+        grid_local_steps=PAPER_GRID,
+        scaling_workers=(1, 2, 4, 8, 16, 32, 64),
+        staleness_workers=(2, 4, 8),
+        staleness_algorithms=ALL_STALENESS_ALGORITHMS,
+        epochs=None,
+        cluster_windows=8,
     ),
     "small": Setting(
-        (10, 20), (10, 20), (10, 20), (1, 2, 4, 8, 16), (2, 4, 8), None, 6
+        divergence_workers=(10, 20),
+        grid_workers=(10, 20),
+        grid_local_steps=(10, 20),
+        scaling_workers=(1, 2, 4, 8, 16),
+        staleness_workers=(2, 4, 8),
+        staleness_algorithms=ALL_STALENESS_ALGORITHMS,
+        epochs=None,
+        cluster_windows=4,
     ),
-    "smoke": Setting((2,), (2,), (5,), (1, 2), (2,), ("agn",), 2, 2),
+    # CI: it must run every code path, not reproduce anything.
+    "smoke": Setting(
+        divergence_workers=(2,),
+        grid_workers=(2,),
+        grid_local_steps=(5,),
+        scaling_workers=(1, 2),
+        staleness_workers=(2,),
+        staleness_algorithms=("agn",),
+        epochs=2,
+        cluster_windows=2,
+    ),
 }
 
 
