@@ -220,7 +220,7 @@ def simulated_run(data, algorithm, num_workers, local_steps):
     Returns:
         A dict of the curves over simulated time (in rounds of n commits):
         "time", "test_accuracy", "train_accuracy"; "finite" (the center's
-        weights at the end) and "staleness_mean".
+        weights at the end), "staleness_mean" and "windows".
     """
     keras.utils.set_random_seed(FLAGS.seed)
     model = make_model(algorithm, local_steps, HIDDEN_UNITS[FLAGS.model])
