@@ -34,7 +34,15 @@ class Simulation:
         self.staleness = training.Staleness()
 
 
-def simulate(model, dataset_fn, num_workers, num_windows, order="round_robin", seed=0):
+def simulate(
+    model,
+    dataset_fn,
+    num_workers,
+    num_windows,
+    order="round_robin",
+    seed=0,
+    callback=None,
+):
     """Runs n virtual asynchronous workers in one process, in a given order.
 
     It runs the same worker and server programs as `tf_agn.strategies.fit`
@@ -60,6 +68,10 @@ def simulate(model, dataset_fn, num_workers, num_windows, order="round_robin", s
         order: "round_robin", "random" (seeded by `seed`), or an explicit
             sequence of `num_windows` worker indices.
         seed: the seed of the random order.
+        callback: None, or `fn(window_index)` called after every commit
+            (and the committing worker's pull), in commit order; the
+            model's weights are then the center after that commit, so it
+            can evaluate the center over (simulated) time.
 
     Returns:
         A `Simulation`.
@@ -96,6 +108,8 @@ def simulate(model, dataset_fn, num_workers, num_windows, order="round_robin", s
         simulation.outcomes.append(int(outcome))
         if int(outcome) == APPLIED:
             simulation.staleness.record(staleness)
+        if callback is not None:
+            callback(window_id)
     return simulation
 
 

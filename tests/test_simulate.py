@@ -167,6 +167,13 @@ def test_round_robin_staleness_is_n_minus_one():
     assert int(simulation.server.commits.numpy()) == NUM_WINDOWS
 
 
+def test_callback_is_called_after_every_commit():
+    model = linear_model(tf_agn.optimizers.AGN(sgd(), local_steps=LOCAL_STEPS))
+    called = []
+    simulate(model, dataset_fn, NUM_WORKERS, NUM_WINDOWS, callback=called.append)
+    assert called == list(range(NUM_WINDOWS))
+
+
 def test_agn_divides_by_lambda_and_downpour_does_not():
     # One worker, one window: no staleness, so the rules alone differ.
     def one_window(optimizer):
