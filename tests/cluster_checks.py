@@ -4,10 +4,9 @@ import json
 import os
 import socket
 import time
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import checkout_env  # noqa: F401 - for the cluster tests
+from scripts import run_python
 
 
 def port_is_free(port):
@@ -26,17 +25,6 @@ def port_is_free(port):
     return True
 
 
-def checkout_env(**extra):
-    """The environment for a Python subprocess that imports this checkout's
-    tf_agn, installed or not."""
-    return dict(
-        os.environ,
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-        **extra,
-    )
-
-
 def run_in_fresh_process(script, *args, timeout=180):
     """Runs a Python script in a new process; returns its last output line
     parsed as JSON.
@@ -48,15 +36,7 @@ def run_in_fresh_process(script, *args, timeout=180):
     Raises:
         AssertionError: with the script's output, if it fails.
     """
-    result = subprocess.run(
-        [sys.executable, script, *map(str, args)],
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_python(script, *args, timeout=timeout)
     return json.loads(result.stdout.splitlines()[-1])
 
 

@@ -2,8 +2,8 @@
 
 import os
 import re
-import subprocess
-import sys
+
+from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADL_MNIST = os.path.join(ROOT, "examples", "adl_mnist.py")
@@ -11,18 +11,7 @@ ADL_MNIST = os.path.join(ROOT, "examples", "adl_mnist.py")
 
 def run_example(*args, timeout=300):
     """Runs the example in a fresh process, which splits its CPU itself."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, ADL_MNIST, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    return run_python(ADL_MNIST, *args, timeout=timeout).stdout
 
 
 def test_adl_mnist_learns_and_reports_staleness():

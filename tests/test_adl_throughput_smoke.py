@@ -4,8 +4,8 @@ is shared); the PASS/FAIL line is for people."""
 
 import os
 import re
-import subprocess
-import sys
+
+from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADL_THROUGHPUT = os.path.join(ROOT, "benchmarks", "adl_throughput.py")
@@ -13,18 +13,7 @@ TINY = ["--width=32", "--depth=4", "--steps=4", "--repeats=1"]
 
 
 def run_benchmark(*args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, ADL_THROUGHPUT, *TINY, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    return run_python(ADL_THROUGHPUT, *TINY, *args, timeout=timeout).stdout
 
 
 def rows(stdout):

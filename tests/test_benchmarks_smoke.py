@@ -4,28 +4,17 @@ machine is shared); the benchmark's own PASS/FAIL lines are for people."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_OVERHEAD = os.path.join(ROOT, "benchmarks", "step_overhead.py")
 
 
 def run_benchmark(*args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [ROOT, env.get("PYTHONPATH")])
-    )
-    result = subprocess.run(
-        [sys.executable, STEP_OVERHEAD, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    return result
+    return run_python(STEP_OVERHEAD, *args, timeout=timeout, returncode=None)
 
 
 @pytest.mark.slow

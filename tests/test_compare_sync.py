@@ -5,10 +5,10 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE_SYNC = os.path.join(ROOT, "examples", "compare_sync.py")
@@ -26,30 +26,18 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def run(tmp_path_factory):
     """Runs sync Adam and AGN(Adam) λ=4 once; returns (stdout, output dir)."""
     output_dir = tmp_path_factory.mktemp("compare_sync")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
-    # Import this checkout's tf_agn, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [ROOT, env.get("PYTHONPATH")])
+    result = run_python(
+        COMPARE_SYNC,
+        "--cpu_replicas=4",
+        f"--train_samples={TRAIN_SAMPLES}",
+        f"--epochs={EPOCHS}",
+        f"--batch_size={BATCH_SIZE}",
+        f"--local_steps_list={LOCAL_STEPS}",
+        "--configs=adam,agn",
+        f"--output_dir={output_dir}",
+        "--verbose=0",
+        MPLBACKEND="Agg",
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            COMPARE_SYNC,
-            "--cpu_replicas=4",
-            f"--train_samples={TRAIN_SAMPLES}",
-            f"--epochs={EPOCHS}",
-            f"--batch_size={BATCH_SIZE}",
-            f"--local_steps_list={LOCAL_STEPS}",
-            "--configs=adam,agn",
-            f"--output_dir={output_dir}",
-            "--verbose=0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout, output_dir
 
 
@@ -72,8 +60,7 @@ def test_prints_and_writes_a_well_formed_table(run):
         "bytes communicated (MB) |"
     )
     assert lines[1] == "|---|---:|---:|---:|"
-    rows = [[cell.strip() for cell in line.strip("|").split("|")]
-            for line in lines[2:]]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
     assert [row[0] for row in rows] == ["sync Adam", f"AGN(Adam) λ={LOCAL_STEPS}"]
     by_name = _by_name(output_dir)
     for row, name in zip(rows, ["adam", f"agn{LOCAL_STEPS}"]):

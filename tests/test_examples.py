@@ -4,13 +4,14 @@ share (`tf_agn.strategies.define_flags`, `strategy_from_flags`)."""
 import math
 import os
 import re
-import subprocess
 import sys
 
 from absl import flags
 import pytest
 
 import tf_agn
+
+from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_MIRRORED = os.path.join(ROOT, "examples", "mnist_mirrored.py")
@@ -22,18 +23,7 @@ def run_example(path, *args, timeout=120, returncode=0):
     A fresh process splits its CPU itself (`--cpu_replicas`), whatever this
     one did.
     """
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    # Import this checkout's tf_agn, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, path, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    assert result.returncode == returncode, result.stdout + result.stderr
-    return result.stdout
+    return run_python(path, *args, timeout=timeout, returncode=returncode).stdout
 
 
 def printed_accuracy(stdout):
@@ -199,30 +189,10 @@ def test_mnist_parameter_server_runs_other_algorithms(algorithm):
 def test_mnist_parameter_server_under_the_launcher():
     # The README's multi-process command: the launcher starts the servers
     # and the example coordinates them through TF_CONFIG.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tf_agn.strategies.launch",
-            "--workers",
-            "2",
-            "--ps",
-            "1",
-            "--",
-            sys.executable,
-            MNIST_PARAMETER_SERVER,
-            "--epochs=1",
-            "--train_samples=640",
-            "--local_steps=5",
-            "--verbose=0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_python(
+        "-m", "tf_agn.strategies.launch", "--workers", "2", "--ps", "1", "--",
+        sys.executable, MNIST_PARAMETER_SERVER,
+        "--epochs=1", "--train_samples=640", "--local_steps=5", "--verbose=0",
+    )  # fmt: skip
     assert "Coordinating the cluster of TF_CONFIG." in result.stdout
     assert re.search(r"^commits=4$", result.stdout, re.MULTILINE), result.stdout

@@ -7,26 +7,18 @@ failure tests kill server subprocesses of processes-mode clusters.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from cluster_checks import checkout_env
+from scripts import run_python
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_scenarios.py")
 
 
 def run_scenario(name, *args, returncode=0, timeout=300):
     """Runs a scenario; returns (its JSON result or None, its stdout)."""
-    result = subprocess.run(
-        [sys.executable, SCENARIOS, name, *map(str, args)],
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    result = run_python(SCENARIOS, name, *args, timeout=timeout, returncode=None)
     output = result.stdout + result.stderr[-4000:]
     if returncode == 0:
         assert result.returncode == 0, output
