@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import tensorflow as tf
 
@@ -260,20 +261,39 @@ class LocalCluster:
 
     def _wait_until_reachable(self):
         addresses = [address for _, _, address in self._tasks()]
+        deadline = time.monotonic() + self._start_timeout
         missing = unreachable(addresses, self._start_timeout, poll=self._check_alive)
+        if not missing and self._mode == "processes":
+            # Another process's server may answer on a port that one of ours
+            # then fails to bind (free_ports cannot hold ports while the
+            # servers import TensorFlow); only our servers' word counts.
+            missing = self._not_serving(deadline)
         if missing:
             raise TimeoutError(
                 f"{', '.join(missing)} did not accept connections within "
                 f"{self._start_timeout} s ({self._mode} mode)."
             )
 
+    def _not_serving(self, deadline):
+        """Waits until every server process has said it serves, up to
+        `deadline`; returns the addresses of those that have not."""
+        while True:
+            self._check_alive()
+            silent = [
+                address
+                for (_, _, address), log in zip(self._tasks(), self._logs)
+                if server.SERVING not in _read(log)
+            ]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.1)
+
     def _check_alive(self):
         """Raises if a server process has exited while starting."""
         for (job, index, address), log in zip(self._tasks(), self._logs):
             process = self._processes[job][index]
             if process.poll() is not None:
-                log.seek(0)
-                tail = log.read().decode("utf-8", "replace")[-_LOG_TAIL_CHARS:]
+                tail = _read(log)[-_LOG_TAIL_CHARS:]
                 hint = ""
                 if "Could not start gRPC server" in tail:
                     hint = " Another process probably took its port; try again."
@@ -297,6 +317,12 @@ class LocalCluster:
                 f"No {job} {index}: the cluster has {len(processes)} {job} task(s)."
             )
         return processes[index]
+
+
+def _read(log):
+    """Everything a server has written to its log file so far."""
+    log.seek(0)
+    return log.read().decode("utf-8", "replace")
 
 
 def _kill(process):

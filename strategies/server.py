@@ -30,6 +30,8 @@ import tensorflow as tf
 
 # How often a server started with --parent_pid checks that its parent lives.
 _PARENT_POLL_S = 0.5
+# What a server prints once it has bound its port; LocalCluster waits for it.
+SERVING = "serving at"
 
 
 def example_tf_config(task_type):
@@ -181,7 +183,7 @@ def main(argv=None):
     server = start_server(tf_config)
     task = tf_config["task"]
     print(
-        f"{task['type']} {task.get('index', 0)} serving at {server.target}", flush=True
+        f"{task['type']} {task.get('index', 0)} {SERVING} {server.target}", flush=True
     )
     server.join()
 

@@ -11,6 +11,7 @@ every port and process.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -251,6 +252,25 @@ def test_server_that_cannot_bind_is_reported_with_its_output(monkeypatch, tmp_pa
     ):
         cluster.start()
     STARTED_PIDS.extend(cluster.pids["worker"] + cluster.pids["ps"])
+
+
+def test_foreign_listener_on_a_servers_port_is_not_taken_for_it(monkeypatch):
+    # Another process already listens where our worker must bind (ports
+    # are chosen before the servers start, so another cluster can take
+    # one): our worker fails to bind, and start() must say so rather than
+    # connect the coordinator to the stranger that answers.
+    with socket.create_server(("localhost", 0)) as stranger:
+        taken = stranger.getsockname()[1]
+        monkeypatch.setattr(
+            cluster_module, "free_ports", lambda count: [taken] + free_ports(count - 1)
+        )
+        cluster = LocalCluster(num_workers=1, mode="processes", start_timeout=120)
+        assert cluster.addresses["worker"] == [f"localhost:{taken}"]
+        with pytest.raises(
+            RuntimeError, match="(?s)worker 0 server.*took its port.*gRPC server"
+        ):
+            cluster.start()
+        STARTED_PIDS.extend(cluster.pids["worker"] + cluster.pids["ps"])
 
 
 _SCRIPT = """
