@@ -100,9 +100,12 @@ def reference(algorithm, order, moving_rate=None, momentum=0.0):
             cursor[w] += 1
             local[w] = optimizers[w].step(local[w], mse_gradients(local[w], x, y))
         s = commits - commits_at_pull[w]
-        if algorithm == "agn":
+        if algorithm in ("agn", "agn_staleness_scaled"):
+            scale = 1.0
+            if algorithm == "agn_staleness_scaled":
+                scale = min(1.0, LOCAL_STEPS / (s + 1))
             center = [
-                c + (t - p) / LOCAL_STEPS
+                c + scale * (t - p) / LOCAL_STEPS
                 for c, t, p in zip(center, local[w], pulled[w])
             ]
         elif algorithm == "downpour":
@@ -144,6 +147,12 @@ def sgd():
     "algorithm, make_optimizer",
     [
         ("agn", lambda: tf_agn.optimizers.AGN(sgd(), local_steps=LOCAL_STEPS)),
+        (
+            "agn_staleness_scaled",
+            lambda: tf_agn.optimizers.AGN(
+                sgd(), local_steps=LOCAL_STEPS, staleness_scaling=True
+            ),
+        ),
         (
             "downpour",
             lambda: tf_agn.optimizers.DOWNPOUR(sgd(), local_steps=LOCAL_STEPS),
@@ -274,6 +283,7 @@ def test_bad_orders_and_models_are_refused():
     "make_optimizer",
     [
         lambda: tf_agn.optimizers.AGN(sgd(), local_steps=4, normalize=False),
+        lambda: tf_agn.optimizers.AGN(sgd(), local_steps=4, staleness_scaling=True),
         lambda: tf_agn.optimizers.DOWNPOUR(sgd(), local_steps=3),
         lambda: tf_agn.optimizers.DynSGD(local_steps=2),
         lambda: tf_agn.optimizers.AEASGD(local_steps=5, rho=2.0, learning_rate=0.1),

@@ -27,6 +27,17 @@ class AGN(WindowedOptimizer):
     synchronous SGD(η). Asynchronously (`tf_agn.strategies.fit` under
     `ParameterServerStrategy`) each commit is applied as it arrives.
 
+    Staleness scaling (`staleness_scaling=True`, ours, not the paper's):
+    with n asynchronous workers a commit is about τ = n − 1 commits stale,
+    and a round of n commits moves the center by about n normalized steps,
+    all computed from centers up to n − 1 commits old. Once n exceeds λ
+    that overshoots: on MNIST with Adam(1e-3), AGN at n = 20, λ = 10
+    oscillates and ends near 0.55 test accuracy, where n = 10 reaches 0.93.
+    Scaling each commit by min(1, λ / (τ + 1)) caps a round's movement at
+    about λ steps, which is the paper's advice to grow λ with n (λ ≈
+    (n + layers) / 2) applied by the server, without retuning λ. Commits
+    less than λ stale, and every synchronous commit, are unchanged.
+
     Example:
 
     ```python
@@ -51,6 +62,8 @@ class AGN(WindowedOptimizer):
         normalize: whether Δ is divided by λ; False is DOWNPOUR's commit.
         reset_inner_state: whether the inner optimizer's state is cleared at
             every commit.
+        staleness_scaling: whether the server scales a commit τ commits
+            stale by min(1, λ / (τ + 1)); default False, the paper's AGN.
         name: the optimizer's name.
 
     Raises:
@@ -68,6 +81,7 @@ class AGN(WindowedOptimizer):
         outer_optimizer=None,
         normalize=True,
         reset_inner_state=False,
+        staleness_scaling=False,
         name=None,
         **kwargs,
     ):
@@ -81,6 +95,7 @@ class AGN(WindowedOptimizer):
             **kwargs,
         )
         self.normalize = bool(normalize)
+        self.staleness_scaling = bool(staleness_scaling)
 
     def commit_delta(self, local, reference):
         """Δ = (θ − θ_ref) / λ, or θ − θ_ref with `normalize=False`."""
@@ -89,7 +104,19 @@ class AGN(WindowedOptimizer):
             return delta
         return ops.divide(delta, ops.cast(self.local_steps, delta.dtype))
 
+    def commit_scale(self, staleness):
+        """1, or min(1, λ / (staleness + 1)) with `staleness_scaling`."""
+        if not self.staleness_scaling:
+            return super().commit_scale(staleness)
+        return ops.minimum(
+            1.0,
+            ops.divide(
+                float(self.local_steps), ops.add(ops.cast(staleness, "float32"), 1.0)
+            ),
+        )
+
     def get_config(self):
         config = super().get_config()
         config["normalize"] = self.normalize
+        config["staleness_scaling"] = self.staleness_scaling
         return config
