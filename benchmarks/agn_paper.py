@@ -21,7 +21,8 @@ does the same work). Four experiments (`--experiments`):
   accuracy (on a fixed training subset) over time, in the round-robin
   simulator. Within a cell every algorithm takes λ steps per commit, so
   time in rounds is fair to all of them. Every worker runs Adam, AEASGD's
-  included (with the paper's ρ = 5, η = 0.01, so α = 0.05). PASS if AGN
+  included (with the paper's ρ = 5, η = 0.01, so α = 0.05);
+  `--aeasgd_optimizer=sgd` gives AEASGD plain SGD(η = 0.01). PASS if AGN
   wins (E > 1) in >= 70% of the cells against AEASGD (the paper: 69.73%
   of its 7 × 7 grid).
 - `scaling`: commits per second applied by a real parameter server (a
@@ -117,6 +118,12 @@ flags.DEFINE_integer("epochs", 40, "Epochs in total, split over the n workers.",
 flags.DEFINE_integer("local_steps", 10, "λ of the divergence and staleness runs.", 1)
 flags.DEFINE_integer(
     "min_rounds", 8, "Windows per worker at least, in every simulated run.", 1
+)
+flags.DEFINE_enum(
+    "aeasgd_optimizer",
+    "adam",
+    ["adam", "sgd"],
+    "AEASGD's worker optimizer: adam, as every other worker; sgd: SGD(0.01).",
 )
 flags.DEFINE_enum(
     "divergence_runtime",
@@ -218,8 +225,10 @@ def make_optimizer(algorithm, local_steps):
     """A windowed optimizer whose workers run Adam, as in the paper."""
     adam = keras.optimizers.Adam(FLAGS.learning_rate)
     if algorithm == "aeasgd":
-        # The paper's elastic force: ρ = 5, η = 0.01, so α = 0.05.
-        return tf_agn.optimizers.AEASGD(adam, local_steps=local_steps)
+        # The paper's elastic force: ρ = 5, η = 0.01, so α = 0.05; None
+        # is AEASGD's own inner SGD(η).
+        inner = adam if FLAGS.aeasgd_optimizer == "adam" else None
+        return tf_agn.optimizers.AEASGD(inner, local_steps=local_steps)
     if algorithm == "agn_scaled":
         return tf_agn.optimizers.AGN(
             adam, local_steps=local_steps, staleness_scaling=True
@@ -702,7 +711,8 @@ def markdown(results):
     if "grid" in results:
         lines += [
             "",
-            "## Grid (simulator, round robin)",
+            "## Grid (simulator, round robin; AEASGD's workers run "
+            f"{results['config']['aeasgd_optimizer']})",
             "",
             "| n | λ | "
             + " | ".join(f"E({NAMES[a]}, {NAMES[b]})" for a, b in GRID_COMPARISONS)
@@ -881,6 +891,7 @@ def main(argv):
             "hidden_units": list(HIDDEN_UNITS[FLAGS.model]),
             "batch_size": FLAGS.batch_size,
             "learning_rate": FLAGS.learning_rate,
+            "aeasgd_optimizer": FLAGS.aeasgd_optimizer,
             "epochs": setting().epochs or FLAGS.epochs,
             "local_steps": FLAGS.local_steps,
             "seed": FLAGS.seed,
