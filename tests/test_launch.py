@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -16,6 +17,7 @@ from tf_agn.strategies import launch
 from tf_agn.strategies import server
 from tf_agn.strategies.ports import free_ports
 from tf_agn.strategies.ports import unreachable
+from tf_agn.strategies.server import SERVING
 
 # Trains nothing: counts to 4 on the parameter server through the workers,
 # then exits with 3, which the launcher must pass on.
@@ -130,13 +132,22 @@ def test_server_module_serves_the_task_of_its_tf_config():
         stderr=subprocess.STDOUT,
         text=True,
     )
+    # The port answers before the server prints; wait for the line itself.
+    # The timer turns a server that never prints into a failure, not a hang.
+    killer = threading.Timer(120, server.kill)
+    killer.start()
+    lines = []
     try:
-        reachable = not unreachable([ps], timeout=120)
-        assert reachable and server.poll() is None
+        for line in server.stdout:
+            lines.append(line)
+            if SERVING in line:
+                break
+        assert not unreachable([ps], timeout=10) and server.poll() is None
     finally:
+        killer.cancel()
         server.kill()
-        output = server.communicate()[0]
-    assert "ps 0 serving at grpc://localhost:" in output
+        lines.append(server.communicate()[0])
+    assert "ps 0 serving at grpc://localhost:" in "".join(lines)
 
 
 def test_server_module_names_a_malformed_tf_config(monkeypatch, capsys):
