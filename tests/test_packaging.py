@@ -46,3 +46,42 @@ def test_readme_commands_are_what_ci_runs():
     test_command = next(c for c in commands if "pytest" in c)
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
     assert test_command in ci
+
+
+def _tracked_files():
+    return subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+        check=True,
+    ).stdout.split("\0")[:-1]
+
+
+# The product's fixed top level; dotfiles (.ci/, .gitignore, ...) are free.
+TOP_LEVEL = {
+    "setup.py", "README.md", "BUILD", "tf_agn", "strategies", "tests",
+    "examples", "benchmarks",
+}
+MAX_TRACKED_BYTES = 1 << 20
+# Committed result images are the one kind of file allowed past the limit.
+LARGE_FILE_SUFFIXES = (".png",)
+
+
+def test_top_level_holds_only_the_product_layout():
+    top = {path.split("/")[0] for path in _tracked_files()}
+    stray = sorted(name for name in top - TOP_LEVEL if not name.startswith("."))
+    assert not stray, (
+        f"tracked entries outside the top-level layout {sorted(TOP_LEVEL)}: "
+        f"{stray}. Downloaded packages and generated files belong in a "
+        "temporary folder, not in the repository."
+    )
+
+
+def test_no_tracked_file_is_over_one_megabyte():
+    large = sorted(
+        path for path in _tracked_files()
+        if not path.endswith(LARGE_FILE_SUFFIXES)
+        and os.path.getsize(os.path.join(ROOT, path)) > MAX_TRACKED_BYTES
+    )
+    assert not large, (
+        f"tracked files over {MAX_TRACKED_BYTES} bytes: {large}; only result "
+        f"images ({LARGE_FILE_SUFFIXES}) may be larger"
+    )
