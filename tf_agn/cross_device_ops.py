@@ -1,19 +1,24 @@
 """`AggregatingAllReduce`: packed, XLA-compiled cross-device reduction."""
 
-import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import values as tf_values
+import threading
 
+import tensorflow as tf
+
+from tf_agn import _compat
+from tf_agn import collective
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
+
+CommunicationOptions = tf.distribute.experimental.CommunicationOptions
+CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
 
 class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     """Cross-device ops that pack tensors and reduce them in XLA.
 
     Use it as `tf.distribute.MirroredStrategy(cross_device_ops=...)`, or
-    build the strategy with `tf_agn.strategies.mirrored(...)`.
+    build the strategy with `tf_agn.strategies.mirrored(...)` (one process)
+    or `tf_agn.strategies.multi_worker_mirrored(...)` (several).
 
     There are two ways in:
 
@@ -22,25 +27,49 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
       `tf.distribute.ReduceOp` (SUM or MEAN) the caller asks for.
     - `aggregate(method, values)`, used by tf_agn's optimizers. It also does
       the two methods TensorFlow has no ReduceOp for: ONLY_FIRST_REPLICA
-      packs replica 0's tensors and broadcasts that buffer, and NONE
-      communicates nothing. `aggregation` is the default method optimizers
-      use when they are given none.
+      sends replica 0's pack to every replica, and NONE communicates
+      nothing. `aggregation` is the default method optimizers use when
+      they are given none.
 
-    How a batch is reduced: dense tensors are grouped per dtype into packs
-    of at most `bytes_per_pack` bytes. Every pack is summed and scaled by one
-    `tf.function(jit_compile=True)` call on the reduce device, and the result
-    is broadcast to the destinations. Where devices have memory of their own
-    (GPUs), each replica first concatenates its part of the pack into one
-    flat buffer, so that a pack crosses devices as one transfer; logical CPU
-    devices share host memory and are read in place (`flatten_packs="auto"`;
-    True or False forces either way). float16 and
-    bfloat16 values are summed in float32. With `compression`, float32 and
-    float64 tensors are cast to float16 or bfloat16 on their own device
-    before they travel, and summed in full precision after.
+    Dense tensors are grouped per dtype into packs of at most
+    `bytes_per_pack` bytes, and each pack travels by one of two transports
+    (`tf_agn.collective` explains the traffic of each):
+
+    - "local": every pack is summed and scaled by one
+      `tf.function(jit_compile=True)` call on the reduce device, and the
+      result is sent to the destinations. Where devices have memory of
+      their own (GPUs), each replica first concatenates its part of the
+      pack into one flat buffer, so that a pack crosses devices as one
+      transfer; logical CPU devices share host memory and are read in place
+      (`flatten_packs="auto"`; True or False forces either way).
+    - "collective": every replica scales, compresses and concatenates its
+      own part of the pack in one XLA-compiled call on its own device; one
+      TensorFlow collective all-reduce per pack (NCCL on GPUs, a ring on
+      CPUs and across workers) sums the buffers of all replicas of all
+      workers; every replica splits the result in one XLA-compiled call.
+      ONLY_FIRST_REPLICA is a collective broadcast of replica 0's pack.
+
+    "auto" (the default) takes "collective" across workers and on physical
+    GPUs, and "local" for devices of one process that share host memory.
+
+    float16 and bfloat16 values are summed in float32 by "local" and in
+    their own dtype by "collective", as NCCL and `MultiWorkerMirroredStrategy`
+    do. With `compression`, float32 and float64 tensors are cast to float16
+    or bfloat16 on their own device before they travel; "local" sums them in
+    full precision after, "collective" sums them in the compressed dtype.
+
+    `tf.distribute.experimental.CommunicationOptions` that TensorFlow's
+    callers pass (`strategy.reduce(..., options=)`, a strategy's
+    `communication_options`) take precedence over the constructor's
+    `bytes_per_pack`, `timeout_seconds` and `implementation`, field by
+    field, wherever they set a field (non-zero, non-None, not AUTO). The
+    transport is the constructor's alone: `MirroredStrategy` passes NCCL
+    whatever its devices, and TensorFlow's collectives run NCCL requests on
+    CPUs as a ring.
 
     Fallback: on a device type XLA cannot compile for (anything but CPU, GPU
-    and TPU), or with `jit_compile=False`, the same function runs as an
-    ordinary graph function.
+    and TPU), or with `jit_compile=False`, the same functions run as
+    ordinary graph functions.
 
     Sparse gradients (`tf.IndexedSlices`, from embeddings) are gathered, not
     densified: the result holds every replica's rows and indices, scaled,
@@ -50,21 +79,40 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     Integer values (metric counters) can be summed; their MEAN is refused,
     since it has no integer answer.
 
+    Values without a device (function inputs fed to `strategy.run`) are
+    taken to be on their replica's device, as their destinations or the
+    strategy name it.
+
     Args:
         aggregation: the default `AggregationMethod` (or its name) for tf_agn
             optimizers in a strategy that uses these ops.
         bytes_per_pack: the most bytes one pack may hold. The default,
             4 MiB, is explained at `packing.DEFAULT_BYTES_PER_PACK`.
         compression: None, "fp16" or "bf16".
-        jit_compile: whether to compile the reduction with XLA.
-        reduce_to_device: the device that reduces; by default the first
-            destination device.
-        flatten_packs: "auto", True or False: whether each replica's part of
-            a pack is concatenated into one flat buffer before it travels.
+        jit_compile: whether to compile the packing and reduction with XLA.
+        reduce_to_device: the device that reduces for "local"; by default
+            the first destination device.
+        flatten_packs: "auto", True or False, for "local": whether each
+            replica's part of a pack is concatenated into one flat buffer
+            before it travels.
+        transport: "auto", "local" or "collective".
+        timeout_seconds: for "collective": how long a collective may wait
+            for its peers before it fails with `DeadlineExceededError`;
+            None waits for ever.
+        implementation: for "collective": a
+            `tf.distribute.experimental.CommunicationImplementation` or its
+            name ("auto", "ring", "nccl"); AUTO is NCCL on GPUs, RING
+            elsewhere.
+        num_workers: how many processes run this program together;
+            `tf_agn.strategies.multi_worker_mirrored` sets it.
+        worker_index: this process's place among them, as
+            `MultiWorkerMirroredStrategy` numbers its workers.
 
     Raises:
-        ValueError: for an unknown aggregation or compression, or a
-            `bytes_per_pack` that is not a positive int.
+        ValueError: for an unknown aggregation, compression, transport or
+            implementation, a `bytes_per_pack` that is not a positive int,
+            a negative `timeout_seconds`, "local" across workers, or a
+            `worker_index` outside `range(num_workers)`.
     """
 
     def __init__(
@@ -75,13 +123,14 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         jit_compile=True,
         reduce_to_device=None,
         flatten_packs="auto",
+        transport="auto",
+        timeout_seconds=None,
+        implementation="auto",
+        num_workers=1,
+        worker_index=0,
     ):
         super().__init__()
-        if (
-            isinstance(bytes_per_pack, bool)
-            or not isinstance(bytes_per_pack, int)
-            or bytes_per_pack <= 0
-        ):
+        if not _is_positive_int(bytes_per_pack):
             raise ValueError(
                 "bytes_per_pack must be a positive int; received "
                 f"{bytes_per_pack!r}."
@@ -91,34 +140,67 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 f"Unknown compression {compression!r}. Allowed: None, "
                 '"fp16", "bf16".'
             )
-        self.aggregation = AggregationMethod.parse(aggregation)
-        self.bytes_per_pack = bytes_per_pack
-        self.compression = compression
-        self.jit_compile = bool(jit_compile)
-        self.reduce_to_device = reduce_to_device
         if flatten_packs not in ("auto", True, False):
             raise ValueError(
                 f'flatten_packs must be "auto", True or False; received '
                 f"{flatten_packs!r}."
             )
+        if transport not in collective.TRANSPORTS:
+            raise ValueError(
+                f"Unknown transport {transport!r}. Allowed: "
+                f"{', '.join(collective.TRANSPORTS)}."
+            )
+        if timeout_seconds is not None and not timeout_seconds >= 0:
+            raise ValueError(
+                f"timeout_seconds must be None or >= 0; received {timeout_seconds!r}."
+            )
+        if not _is_positive_int(num_workers) or worker_index not in range(num_workers):
+            raise ValueError(
+                f"num_workers must be a positive int and worker_index in "
+                f"range(num_workers); received {num_workers!r}, {worker_index!r}."
+            )
+        if transport == "local" and num_workers > 1:
+            raise ValueError(
+                f'transport="local" cannot reduce across {num_workers} '
+                'workers; use "collective" or "auto".'
+            )
+        self.aggregation = AggregationMethod.parse(aggregation)
+        self.bytes_per_pack = bytes_per_pack
+        self.compression = compression
+        self.jit_compile = bool(jit_compile)
+        self.reduce_to_device = reduce_to_device
         self.flatten_packs = flatten_packs
+        self.transport = transport
+        self.num_workers = num_workers
+        self.worker_index = worker_index
+        self.options = CommunicationOptions(
+            bytes_per_pack=bytes_per_pack,
+            timeout_seconds=timeout_seconds,
+            implementation=_parse_implementation(implementation),
+        )
+        self._collective_keys = collective.new_collective_keys()
+        self._groups = {}
+        # Collectives of one batch must be launched by one thread at a time,
+        # or two batches could interleave differently on two devices.
+        self._lock = threading.Lock()
 
     # TensorFlow's entry points.
 
     def reduce_implementation(
         self, reduce_op, per_replica_value, destinations, options
     ):
-        del options  # Packing and compression are configured on `self`.
         return self._aggregate(
             AggregationMethod.parse(reduce_op),
             [per_replica_value],
             [destinations],
+            options=options,
         )[0]
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        del options
         values, destinations = zip(*value_destination_pairs)
-        return self._aggregate(AggregationMethod.parse(reduce_op), values, destinations)
+        return self._aggregate(
+            AggregationMethod.parse(reduce_op), values, destinations, options=options
+        )
 
     def broadcast_implementation(self, tensor, destinations):
         return _mirror(tensor, self._devices(destinations))
@@ -130,9 +212,30 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             gathered = tf.concat(per_replica_value.values, axis=axis)
         return _mirror(gathered, devices)
 
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        """One replica's all-reduce, in replica context, without merge_call.
+
+        `MultiWorkerMirroredStrategy` calls this inside XLA-compiled steps
+        on GPUs. Only the collective transport can serve it: each replica
+        launches its own part of every collective.
+        """
+        method = AggregationMethod.parse(reduce_op)
+        flat = tf.nest.flatten(value, expand_composites=False)
+        devices = tf.distribute.get_strategy().extended.worker_devices
+        options, transport = self._options(options, devices)
+        if transport != "collective":
+            raise NotImplementedError(
+                'Replica-context all-reduce needs transport="collective".'
+            )
+        group = self._group(devices)
+        reduced = self._collective_replica(
+            method, replica_id, flat, group, 1.0, options
+        )
+        return tf.nest.pack_sequence_as(value, reduced)
+
     # tf_agn's entry point.
 
-    def aggregate(self, method, per_replica_values, value_scale=1.0):
+    def aggregate(self, method, per_replica_values, value_scale=1.0, options=None):
         """Combines per-replica values with any `AggregationMethod`.
 
         Call it in cross-replica context, for example inside `merge_call`.
@@ -144,84 +247,93 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             value_scale: a Python float every value is multiplied by first.
                 Optimizers use it to undo Keras' 1/n loss scaling inside the
                 compiled reduction rather than in a separate pass.
+            options: optional `CommunicationOptions`, merged over the
+                constructor's.
 
         Returns:
             A list with one entry per value: `Mirrored` values for SUM, MEAN
             and ONLY_FIRST_REPLICA, `PerReplica` values for NONE.
         """
-        values = [
-            tf_cross_device_ops._make_tensor_into_per_replica(v)
-            for v in per_replica_values
-        ]
+        values = [_compat.make_tensor_into_per_replica(v) for v in per_replica_values]
         return self._aggregate(
-            AggregationMethod.parse(method), values, values, value_scale
+            AggregationMethod.parse(method), values, values, value_scale, options
         )
 
-    def _aggregate(self, method, values, destinations, value_scale=1.0):
+    def _aggregate(self, method, values, destinations, value_scale=1.0, options=None):
         if method is AggregationMethod.NONE:
             return [_scale_per_replica(v, value_scale) for v in values]
-        devices = [self._devices(d, v) for d, v in zip(destinations, values)]
-        results = [None] * len(values)
-        dense = []
-        for index, value in enumerate(values):
-            if isinstance(value.values[0], tf.IndexedSlices):
-                results[index] = self._gather_slices(
-                    method, value, devices[index], value_scale
-                )
-            else:
-                dense.append(index)
+        sources = self._devices(None, values[0])
+        options, transport = self._options(options, sources)
+        if transport == "collective":
+            return self._collective(method, values, destinations, value_scale, options)
+        return self._local(method, values, destinations, value_scale, options)
+
+    def _packs(self, tensors, bytes_per_pack):
+        """Splits one replica's `tensors` into the indices of the sparse ones
+        and packs of indices of the dense ones."""
+        sparse, dense = [], []
+        for index, tensor in enumerate(tensors):
+            is_sparse = isinstance(tensor, tf.IndexedSlices)
+            (sparse if is_sparse else dense).append(index)
         # A shape not fully known while tracing counts as one element.
         sizes = [
-            (
-                values[i].values[0].dtype,
-                values[i].values[0].shape.num_elements() or 1,
-            )
-            for i in dense
+            (tensors[i].dtype, tensors[i].shape.num_elements() or 1) for i in dense
         ]
-        for pack in packing.plan_packs(sizes, self.bytes_per_pack):
-            pack = [dense[i] for i in pack]
+        packs = packing.plan_packs(sizes, bytes_per_pack)
+        return sparse, [[dense[i] for i in pack] for pack in packs]
+
+    # The local transport.
+
+    def _local(self, method, values, destinations, value_scale, options):
+        devices = [self._devices(d, v) for d, v in zip(destinations, values)]
+        sources = self._devices(None, values[0])
+        results = [None] * len(values)
+        sparse, packs = self._packs(
+            [v.values[0] for v in values], options.bytes_per_pack
+        )
+        for index in sparse:
+            results[index] = self._gather_slices(
+                method, values[index], devices[index], value_scale
+            )
+        for pack in packs:
             reduced = self._combine_pack(
-                method,
-                [values[i] for i in pack],
-                devices[pack[0]],
-                value_scale,
+                method, [values[i] for i in pack], sources, devices[pack[0]], value_scale
             )
             for index, tensor in zip(pack, reduced):
                 results[index] = _mirror(tensor, devices[index])
         return results
 
-    def _combine_pack(self, method, values, devices, value_scale):
+    def _combine_pack(self, method, values, sources, destinations, value_scale):
         """Reduces one pack of same-dtype dense values on one device."""
         dtype = values[0].values[0].dtype
         num_replicas = len(values[0].values)
         scale = _method_scale(method, dtype, num_replicas, value_scale)
         if method is AggregationMethod.ONLY_FIRST_REPLICA:
-            # Only replica 0's tensors travel.
-            replicas = [0]
-            device = values[0].values[0].device
+            replicas = [0]  # Only replica 0's tensors travel.
+            device = sources[0]
         else:
             replicas = range(num_replicas)
-            device = self.reduce_to_device or devices[0]
+            device = self.reduce_to_device or destinations[0]
         like = [v.values[0] for v in values]
-        flatten = self._flatten_packs(devices)
-        sources = [self._send([v.values[r] for v in values], flatten) for r in replicas]
+        flatten = self._flatten_packs(destinations)
+        parts = [
+            self._send([v.values[r] for v in values], sources[r], flatten)
+            for r in replicas
+        ]
+        jit = self._jit(device)
         with tf.device(device):
-            reduced = packing.combine_fn(self._jit(device))(sources, scale, dtype)
-            return packing.unflatten(reduced[0], like) if flatten else reduced
+            reduced = packing.combine_fn(jit)(parts, scale, dtype)
+            return packing.unflatten(reduced[0], like, jit_compile=jit) if flatten else reduced
 
-    def _send(self, tensors, flatten):
+    def _send(self, tensors, device, flatten):
         """Prepares one replica's part of a pack for the trip: compressed
         and, where transfers are real copies, flattened into one buffer."""
-        dtype = tensors[0].dtype
-        target = packing.COMPRESSION_DTYPES[self.compression]
-        if target is not None and dtype in (tf.float32, tf.float64):
-            dtype = target
+        dtype = self._wire_dtype(tensors[0].dtype)
         if not flatten:
             if dtype == tensors[0].dtype:
                 return tensors
-            with tf.device(tensors[0].device):
+            with tf.device(device):
                 return [tf.cast(t, dtype) for t in tensors]
-        device = tensors[0].device
         with tf.device(device):
             return [packing.flatten_fn(self._jit(device))(tensors, dtype)]
 
@@ -231,9 +343,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices
             )
         return self.flatten_packs
-
-    def _jit(self, device):
-        return self.jit_compile and packing.supports_xla(device)
 
     def _gather_slices(self, method, value, devices, value_scale):
         slices = value.values
@@ -249,12 +358,157 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             )
         return _mirror(gathered, devices)
 
+    # The collective transport.
+
+    def _collective(self, method, values, destinations, value_scale, options):
+        sources = self._devices(None, values[0])
+        group = self._group(sources)
+
+        def launch():
+            per_replica = [
+                self._collective_replica(
+                    method, r, [v.values[r] for v in values], group, value_scale, options
+                )
+                for r in range(len(sources))
+            ]
+            return [list(results) for results in zip(*per_replica)]
+
+        with self._lock:
+            if not tf.executing_eagerly():
+                per_value = launch()
+            else:
+                # Eagerly, replica 0's collective would block before replica
+                # 1's is launched: one graph launches them all at once. A
+                # function's eager outputs report the caller's device, so
+                # each is then pinned to its replica's.
+                per_value = [
+                    [_on(device, t) for device, t in zip(sources, replicas)]
+                    for replicas in tf.function(launch, autograph=False)()
+                ]
+        results = []
+        for value, destination, replicas in zip(values, destinations, per_value):
+            devices = self._devices(destination, value)
+            if tuple(devices) == tuple(sources):
+                results.append(_compat.regroup(tuple(replicas), wrap_class=_compat.Mirrored))
+            else:
+                results.append(_mirror(replicas[0], devices))
+        return results
+
+    def _collective_replica(self, method, replica, tensors, group, value_scale, options):
+        """Replica `replica`'s part of combining `tensors` across `group`.
+
+        Returns the combined tensors, on this replica's device.
+        """
+        device = group.devices[replica]
+        jit = self._jit(device)
+        sparse, packs = self._packs(tensors, options.bytes_per_pack)
+        results = [None] * len(tensors)
+        is_first = group.first_replica + replica == 0
+        for index in sparse:
+            slices = tensors[index]
+            scale = _method_scale(method, slices.dtype, group.size, value_scale)
+            with tf.device(device):
+                rows = slices.values * tf.constant(scale, slices.dtype)
+                indices = slices.indices
+                if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
+                    rows, indices = rows[:0], indices[:0]
+                results[index] = group.all_gather_slices(
+                    replica,
+                    tf.IndexedSlices(rows, indices, slices.dense_shape),
+                    options,
+                )
+        for pack in packs:
+            like = [tensors[i] for i in pack]
+            dtype = like[0].dtype
+            scale = _method_scale(method, dtype, group.size, value_scale)
+            wire = self._wire_dtype(dtype)
+            with tf.device(device):
+                flat = packing.flatten_fn(jit)(like, wire, scale)
+                if method is AggregationMethod.ONLY_FIRST_REPLICA:
+                    flat = group.broadcast(replica, flat, options)
+                else:
+                    flat = group.all_reduce(replica, flat, options)
+                combined = packing.unflatten(flat, like, dtype, jit_compile=jit)
+            for index, tensor in zip(pack, combined):
+                results[index] = tensor
+        return results
+
+    def _group(self, devices):
+        devices = tuple(devices)
+        if devices not in self._groups:
+            self._groups[devices] = collective.CollectiveGroup(
+                devices,
+                group_size=len(devices) * self.num_workers,
+                first_replica=self.worker_index * len(devices),
+                keys=self._collective_keys,
+            )
+        return self._groups[devices]
+
+    # Shared helpers.
+
+    def _options(self, options, devices):
+        """The constructor's options overridden by the caller's, with AUTO
+        resolved for these devices, and the transport they call for.
+
+        Returns:
+            `(options, transport)`.
+        """
+        merged = self.options.merge(options)
+        if merged.implementation == CommunicationImplementation.AUTO:
+            merged.implementation = collective.default_implementation(devices)
+        transport = self.transport
+        if transport == "auto":
+            transport = collective.choose_transport(devices, self.num_workers)
+        return merged, transport
+
+    def _wire_dtype(self, dtype):
+        """The dtype `dtype` values travel in."""
+        compressed = packing.COMPRESSION_DTYPES[self.compression]
+        if compressed is not None and dtype in (tf.float32, tf.float64):
+            return compressed
+        return dtype
+
+    def _jit(self, device):
+        return self.jit_compile and packing.supports_xla(device)
+
     def _devices(self, destinations, value=None):
-        if tf_cross_device_ops.check_destinations(destinations):
+        """The devices of `destinations` if they name any, else `value`'s.
+
+        A value made outside the replicas' device scopes (a function input)
+        has no device: it stands for its replica, on the strategy's device
+        of the same index.
+        """
+        if destinations is not None and _compat.check_destinations(destinations):
             source = destinations
         else:
             source = value
-        return tf_cross_device_ops.get_devices_from(source, self._canonicalize_devices)
+        devices = _compat.get_devices_from(source, self._canonicalize_devices)
+        if all(devices):
+            return devices
+        strategy_devices = tf.distribute.get_strategy().extended.worker_devices
+        if len(strategy_devices) != len(devices):
+            raise ValueError(
+                f"{len(devices)} values without a device for "
+                f"{len(strategy_devices)} replicas: cannot tell where they are."
+            )
+        return tuple(d or s for d, s in zip(devices, strategy_devices))
+
+
+def _is_positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _parse_implementation(implementation):
+    if isinstance(implementation, CommunicationImplementation):
+        return implementation
+    if isinstance(implementation, str):
+        key = implementation.strip().upper()
+        if key in CommunicationImplementation.__members__:
+            return CommunicationImplementation[key]
+    raise ValueError(
+        f"Unknown implementation {implementation!r}. Allowed: auto, ring, nccl, "
+        "or a tf.distribute.experimental.CommunicationImplementation."
+    )
 
 
 def _method_scale(method, dtype, num_replicas, value_scale):
@@ -279,7 +533,7 @@ def _scale_per_replica(value, scale):
     for local in value.values:
         with tf.device(local.device):
             scaled.append(scale_value(local, scale))
-    return distribute_utils.regroup(tuple(scaled))
+    return _compat.regroup(tuple(scaled))
 
 
 def scale_value(value, scale):
@@ -293,16 +547,17 @@ def scale_value(value, scale):
     return value * tf.cast(scale, value.dtype)
 
 
+def _on(device, value):
+    """`value` (a tensor or `tf.IndexedSlices`) placed on `device`."""
+    with tf.device(device):
+        return tf.nest.map_structure(tf.identity, value, expand_composites=True)
+
+
 def _mirror(value, devices):
     """Places a copy of `value` on every device, as a `Mirrored` value.
 
     Between devices in host memory (logical CPUs) the identity shares the
     buffer, so nothing is copied; between GPUs it is the transfer.
     """
-    copies = []
-    for device in devices:
-        with tf.device(device):
-            copies.append(
-                tf.nest.map_structure(tf.identity, value, expand_composites=True)
-            )
-    return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)
+    copies = tuple(_on(device, value) for device in devices)
+    return _compat.regroup(copies, wrap_class=_compat.Mirrored)

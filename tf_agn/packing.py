@@ -11,6 +11,7 @@ only add a pass over memory.
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
 # Devices on which XLA can compile our combine function. Elsewhere the same
@@ -89,15 +90,63 @@ def _combine(per_replica_tensors, scale, output_dtype):
     return combined
 
 
-def _flatten(tensors, dtype):
-    """Concatenates `tensors` into one flat buffer of `dtype`."""
-    return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], 0)
+def _flatten(tensors, dtype, scale=1):
+    """Concatenates `scale * tensors` into one flat buffer of `dtype`.
+
+    The scaling happens in `accumulation_dtype` before the cast, so that a
+    MEAN's 1/n shrinks float32 values before they are compressed to float16
+    rather than after they may have overflowed.
+    """
+    pieces = []
+    for tensor in tensors:
+        if scale != 1:
+            wide = accumulation_dtype(tensor.dtype)
+            tensor = tf.cast(tensor, wide) * tf.constant(scale, wide)
+        pieces.append(tf.reshape(tf.cast(tensor, dtype), [-1]))
+    return tf.concat(pieces, 0)
 
 
-def unflatten(flat, like):
-    """Splits a flat buffer back into tensors shaped like `like`."""
-    pieces = tf.split(flat, [tf.size(t) for t in like])
-    return [tf.reshape(p, tf.shape(t)) for p, t in zip(pieces, like)]
+def _unflatten(flat, shapes, dtype):
+    """Splits a flat buffer into tensors of `shapes`, cast to `dtype`.
+
+    Args:
+        flat: a 1-D tensor.
+        shapes: one shape per tensor: Python tuples (static, which XLA
+            needs) or shape tensors.
+        dtype: the dtype of the results.
+
+    Returns:
+        A list of tensors.
+    """
+    sizes = [
+        int(np.prod(s)) if isinstance(s, tuple) else tf.reduce_prod(s)
+        for s in shapes
+    ]
+    pieces = tf.split(flat, sizes)
+    return [tf.cast(tf.reshape(p, s), dtype) for p, s in zip(pieces, shapes)]
+
+
+def unflatten(flat, like, dtype=None, jit_compile=False):
+    """Splits a flat buffer back into tensors shaped like `like`.
+
+    Where every shape is known while tracing, the split runs in
+    `unflatten_fn(jit_compile)`; otherwise as plain graph ops on the shapes
+    at run time, since XLA needs the split sizes as constants.
+
+    Args:
+        flat: a 1-D tensor.
+        like: the tensors whose shapes to take.
+        dtype: the dtype of the results; `like[0].dtype` by default.
+        jit_compile: whether to compile the split with XLA.
+
+    Returns:
+        A list of tensors.
+    """
+    dtype = dtype or like[0].dtype
+    if all(t.shape.is_fully_defined() for t in like):
+        shapes = tuple(tuple(t.shape.as_list()) for t in like)
+        return unflatten_fn(jit_compile)(flat, shapes, dtype)
+    return _unflatten(flat, [tf.shape(t) for t in like], dtype)
 
 
 @functools.cache
@@ -110,6 +159,12 @@ def combine_fn(jit_compile):
 def flatten_fn(jit_compile):
     """The flatten function, XLA-compiled or as a plain graph function."""
     return tf.function(_flatten, jit_compile=jit_compile, autograph=False)
+
+
+@functools.cache
+def unflatten_fn(jit_compile):
+    """The unflatten function, XLA-compiled or as a plain graph function."""
+    return tf.function(_unflatten, jit_compile=jit_compile, autograph=False)
 
 
 def supports_xla(device):
