@@ -10,6 +10,8 @@ from tf_agn.strategies.flags import strategy_from_flags
 from tf_agn.strategies.mirrored import even_batch_size
 from tf_agn.strategies.mirrored import mirrored
 from tf_agn.strategies.mirrored import split_cpu
+from tf_agn.strategies.multi_worker import KerasMultiWorkerMirroredStrategy
+from tf_agn.strategies.multi_worker import multi_worker_mirrored
 from tf_agn.strategies.parameter_server import parameter_server
 from tf_agn.strategies.simulate import simulate
 from tf_agn.strategies.training import Staleness

@@ -1,7 +1,7 @@
-"""One worker of the 2-process `MultiWorkerMirroredStrategy` test.
+"""One worker of the multi-process `MultiWorkerMirroredStrategy` tests.
 
-tests/test_multi_worker.py starts two of these, each with its own
-`TF_CONFIG` (task index i). It is not a test module: it must not import
+tests/test_multi_worker.py starts two or three of these, each with its own
+`TF_CONFIG` (task index i), on `tf_agn.strategies.multi_worker_mirrored()`. It is not a test module: it must not import
 conftest, which splits the CPU into 4 logical devices; each worker keeps
 its single CPU, so it runs exactly one replica.
 
@@ -16,12 +16,19 @@ OUT_DIR/worker<i>.npz with:
 
     task_index, num_replicas_in_sync, num_local_replicas, replica_id:
         what the strategy says this worker is;
-    uses_tf_agn_ops: whether the strategy has tf_agn's cross-device ops
-        (it should not: the optimizers take their all_reduce fallback);
+    uses_tf_agn_ops: whether the strategy has tf_agn's cross-device ops;
     rows: (steps, per_replica_batch) indices into `x` of the rows this
         worker's replica received, step by step, read through `strategy.run`
         from the same distributed dataset `fit` consumes;
-    <method>/<i>: the i-th final weight array after training with <method>.
+    <method>/<i>: the i-th final weight array after training with <method>;
+    aggregate/<compression>/<dtype>/<method>/<i>: this worker's replica's
+        result of `AggregatingAllReduce.aggregate` on the arrays of
+        `replica_arrays`, with every method, dtype and compression;
+    sparse/<method>/values, sparse/<method>/indices: the same for the
+        `tf.IndexedSlices` of `replica_slices`;
+    keras_fix/stock, keras_fix/ours: the error the stock strategy's
+        `reduce` raises on the two calls Keras's `fit` makes, and ours
+        ("" for none).
 
 Sharding is explicit: through `distribute_datasets_from_function`, input
 pipeline p yields, for every global batch, its p-th consecutive slice of
@@ -50,50 +57,34 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-# The strategy must exist before any other TensorFlow op runs.
-log("TensorFlow imported")
-STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
-log("cluster up")
-
 import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn.replicas import tf_agn_ops  # noqa: E402
 
+# The strategy must exist before any other TensorFlow op runs.
+log("TensorFlow imported")
+STRATEGY = tf_agn.strategies.multi_worker_mirrored()
+log("cluster up")
 
-def patch_reduce_for_keras(strategy):
-    """Works around two Keras 3 `fit` failures under MultiWorkerMirroredStrategy
-    (keras-team/keras#20585, tensorflow/tensorflow#72388).
+DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32}
+COMPRESSIONS = ["none", "fp16"]
+SHAPES = [(3, 5), (7,), (11,)]
 
-    1. `_maybe_symbolic_build` reduces the first (x, y) batch with one
-       `strategy.reduce("MEAN", batch, axis=None)`. MirroredStrategy maps
-       that over the nest; MultiWorkerMirroredStrategy's `_reduce_to` does
-       not ("Attempt to convert a value (PerReplica...) with an unsupported
-       type to a Tensor").
-    2. `reduce_per_replica` reduces every per-replica log (the scalar loss)
-       with `strategy.reduce("MEAN", v, axis=0)`, which fails on a scalar
-       ("Invalid reduction dimension 0 for input with 0 dimensions").
 
-    This strategy's `reduce` therefore takes nests leaf by leaf and reduces
-    scalars across replicas only, as Keras does for them under
-    MirroredStrategy. Neither call touches gradients or weights: those go
-    through the optimizer's `aggregate_gradients`, which this test checks.
-    """
-    reduce = strategy.reduce
+def replica_arrays(replica, dtype_name, shapes=SHAPES):
+    """Global replica `replica`'s arrays; the test rebuilds them alike."""
+    rng = np.random.default_rng(len(shapes))
+    bases = [rng.uniform(0.5, 1.5, size=s) for s in shapes]
+    dtype = DTYPES[dtype_name]
+    return [tf.cast(b * (replica + 1) + replica, dtype).numpy() for b in bases]
 
-    def reduce_leaf(reduce_op, value, axis):
-        if axis is not None:
-            (local,) = strategy.experimental_local_results(value)[:1]
-            if local.shape.rank == 0:
-                axis = None
-        return reduce(reduce_op, value, axis=axis)
 
-    def patched_reduce(reduce_op, value, axis=None):
-        return tf.nest.map_structure(
-            lambda leaf: reduce_leaf(reduce_op, leaf, axis), value
-        )
-
-    strategy.reduce = patched_reduce
+def replica_slices(replica):
+    """Global replica `replica`'s rows and indices into a (6, 4) table."""
+    rng = np.random.default_rng(100 + replica)
+    rows = rng.uniform(size=(replica + 1, 4)).astype(np.float32)
+    return rows, rng.integers(0, 6, size=replica + 1)
 
 
 def shard_indices(num_rows, batch_size, num_pipelines, pipeline_id):
@@ -159,7 +150,6 @@ def rows_seen(strategy, dataset, x):
 
 def main(inputs_path, model_path, out_dir):
     strategy = STRATEGY
-    patch_reduce_for_keras(strategy)
     task_index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     inputs = np.load(inputs_path)
     x, y = inputs["x"], inputs["y"]
@@ -176,9 +166,10 @@ def main(inputs_path, model_path, out_dir):
         "num_local_replicas": len(strategy.extended.worker_devices),
         "replica_id": replica_id,
         "rows": rows,
-        # The optimizer's all_reduce fallback, not tf_agn's own ops.
         "uses_tf_agn_ops": tf_agn_ops(strategy) is not None,
     }
+    result.update(aggregate_results(strategy))
+    result.update(keras_fix_results(strategy, dataset))
     for method in methods:
         with strategy.scope():
             model = keras.models.load_model(model_path, compile=False)
@@ -199,6 +190,85 @@ def main(inputs_path, model_path, out_dir):
     os.replace(path + ".partial.npz", path)
     log(f"wrote {path}")
     wait_for_peers(out_dir)
+
+
+def local_value(strategy, make):
+    """A per-replica value holding `make(global_replica_id)`."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda context: make(context.replica_id_in_sync_group)
+    )
+
+
+def aggregate_results(strategy):
+    """Every method, dtype and compression through the strategy's ops, and
+    a second ops object with fp16 compression (built in the same order on
+    every worker, so its collective keys agree)."""
+    default = tf_agn_ops(strategy)
+    ops = {
+        "none": default,
+        "fp16": tf_agn.AggregatingAllReduce(
+            transport="collective",
+            compression="fp16",
+            num_workers=default.num_workers,
+            worker_index=default.worker_index,
+        ),
+    }
+    out = {}
+    for compression in COMPRESSIONS:
+        for dtype_name in DTYPES:
+            if compression != "none" and dtype_name != "float32":
+                continue
+            values = [
+                local_value(
+                    strategy, lambda r, i=i: tf.constant(replica_arrays(r, dtype_name)[i])
+                )
+                for i in range(len(SHAPES))
+            ]
+            for method in tf_agn.AggregationMethod.names():
+                results = ops[compression].aggregate(method, values, value_scale=0.5)
+                for i, value in enumerate(results):
+                    (local,) = strategy.experimental_local_results(value)
+                    key = f"aggregate/{compression}/{dtype_name}/{method}/{i}"
+                    out[key] = tf.cast(local, tf.float64).numpy()
+    for method in ("sum", "mean", "only_first_replica"):
+
+        def make(replica):
+            rows, indices = replica_slices(replica)
+            return tf.IndexedSlices(
+                tf.constant(rows), tf.constant(indices), tf.constant([6, 4])
+            )
+
+        (value,) = ops["none"].aggregate(method, [local_value(strategy, make)])
+        (local,) = strategy.experimental_local_results(value)
+        out[f"sparse/{method}/values"] = local.values.numpy()
+        out[f"sparse/{method}/indices"] = local.indices.numpy()
+    log("aggregate checks done")
+    return out
+
+
+def keras_fix_results(strategy, dataset):
+    """The two reductions Keras's `fit` makes, through the stock
+    `MultiWorkerMirroredStrategy.reduce` and through ours."""
+    batch = next(iter(dataset))
+    loss = strategy.run(lambda x, y: tf.reduce_mean(x), args=batch)
+    calls = [
+        lambda reduce: reduce("MEAN", batch, axis=None),
+        lambda reduce: reduce("MEAN", loss, axis=0),
+    ]
+    stock = lambda *a, **k: tf.distribute.MultiWorkerMirroredStrategy.reduce(  # noqa: E731
+        strategy, *a, **k
+    )
+    out = {}
+    for name, reduce in (("stock", stock), ("ours", strategy.reduce)):
+        errors = []
+        for call in calls:
+            try:
+                call(reduce)
+                errors.append("")
+            except Exception as error:  # noqa: BLE001 - recorded for the test
+                errors.append(f"{type(error).__name__}: {error}"[:300])
+        out[f"keras_fix/{name}"] = np.array(errors)
+    return out
 
 
 def wait_for_peers(out_dir, timeout=60):

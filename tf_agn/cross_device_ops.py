@@ -262,7 +262,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     def _aggregate(self, method, values, destinations, value_scale=1.0, options=None):
         if method is AggregationMethod.NONE:
             return [_scale_per_replica(v, value_scale) for v in values]
-        sources = self._devices(None, values[0])
+        sources = self._source_devices(values[0], destinations[0])
         options, transport = self._options(options, sources)
         if transport == "collective":
             return self._collective(method, values, destinations, value_scale, options)
@@ -286,7 +286,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     def _local(self, method, values, destinations, value_scale, options):
         devices = [self._devices(d, v) for d, v in zip(destinations, values)]
-        sources = self._devices(None, values[0])
+        sources = self._source_devices(values[0], destinations[0])
         results = [None] * len(values)
         sparse, packs = self._packs(
             [v.values[0] for v in values], options.bytes_per_pack
@@ -361,7 +361,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     # The collective transport.
 
     def _collective(self, method, values, destinations, value_scale, options):
-        sources = self._devices(None, values[0])
+        sources = self._source_devices(values[0], destinations[0])
         group = self._group(sources)
 
         def launch():
@@ -472,26 +472,40 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         return self.jit_compile and packing.supports_xla(device)
 
     def _devices(self, destinations, value=None):
-        """The devices of `destinations` if they name any, else `value`'s.
-
-        A value made outside the replicas' device scopes (a function input)
-        has no device: it stands for its replica, on the strategy's device
-        of the same index.
-        """
+        """Where results go: the devices `destinations` name, or else the
+        devices of `value`'s replicas."""
         if destinations is not None and _compat.check_destinations(destinations):
-            source = destinations
-        else:
-            source = value
-        devices = _compat.get_devices_from(source, self._canonicalize_devices)
+            devices = _compat.get_devices_from(destinations, self._canonicalize_devices)
+            if all(devices):
+                return devices
+        return self._source_devices(value, destinations)
+
+    def _source_devices(self, value, destinations=None):
+        """The devices of `value`'s replicas.
+
+        A value made outside the replicas' device scopes (a function input,
+        an eager dataset element) has no device: it stands for its replica,
+        on the device of the same index among the destinations, or else
+        among the devices of the strategy in scope.
+        """
+        devices = _compat.get_devices_from(value, self._canonicalize_devices)
         if all(devices):
             return devices
-        strategy_devices = tf.distribute.get_strategy().extended.worker_devices
-        if len(strategy_devices) != len(devices):
-            raise ValueError(
-                f"{len(devices)} values without a device for "
-                f"{len(strategy_devices)} replicas: cannot tell where they are."
+        candidates = []
+        if destinations is not None and _compat.check_destinations(destinations):
+            candidates.append(
+                _compat.get_devices_from(destinations, self._canonicalize_devices)
             )
-        return tuple(d or s for d, s in zip(devices, strategy_devices))
+        if tf.distribute.has_strategy():
+            candidates.append(tf.distribute.get_strategy().extended.worker_devices)
+        for known in candidates:
+            if len(known) == len(devices) and all(known):
+                return tuple(known)
+        raise ValueError(
+            f"{len(devices)} values without a device, and neither the "
+            "destinations nor a strategy in scope name as many devices: "
+            "cannot tell where they are."
+        )
 
 
 def _is_positive_int(value):

@@ -1,0 +1,127 @@
+"""Building a `MultiWorkerMirroredStrategy` that reduces with tf_agn's ops,
+and in which Keras 3's `model.fit` works.
+
+Every worker process runs the same program. Each builds this strategy
+first, before any other TensorFlow op, with its own `TF_CONFIG`:
+
+    {"cluster": {"worker": ["host0:2222", "host1:2222"]},
+     "task": {"type": "worker", "index": 0}}   # 1 on host1
+
+`python -m tf_agn.strategies.launch --multi_worker=N -- COMMAND` starts N
+such processes on this machine, each with its `TF_CONFIG`.
+"""
+
+import tensorflow as tf
+
+from tf_agn import _compat
+from tf_agn.cross_device_ops import AggregatingAllReduce
+
+
+class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """`tf.distribute.MultiWorkerMirroredStrategy` whose `reduce` takes what
+    Keras 3's `fit` gives it (keras-team/keras#20585, tensorflow#72388).
+
+    Stock, `fit` fails twice under this strategy:
+
+    1. `_maybe_symbolic_build` reduces the first (x, y) batch with one
+       `strategy.reduce("MEAN", batch, axis=None)`. `MirroredStrategy` maps
+       that over the nest; this strategy does not ("Attempt to convert a
+       value (PerReplica...) with an unsupported type to a Tensor").
+    2. Every per-replica log (the scalar loss) is reduced with
+       `strategy.reduce("MEAN", value, axis=0)`, which fails on a scalar
+       ("Invalid reduction dimension 0 for input with 0 dimensions").
+
+    Here `reduce` takes nests leaf by leaf, and reduces a scalar across
+    replicas only, as Keras does for scalars under `MirroredStrategy`.
+    Gradients do not pass through `reduce`; they go through the
+    optimizer's all-reduce.
+    """
+
+    def reduce(self, reduce_op, value, axis=None):
+        return tf.nest.map_structure(
+            lambda leaf: self._reduce_leaf(reduce_op, leaf, axis), value
+        )
+
+    def _reduce_leaf(self, reduce_op, value, axis):
+        if axis is not None:
+            local = self.experimental_local_results(value)[0]
+            if local.shape.rank == 0:
+                axis = None
+        return super().reduce(reduce_op, value, axis=axis)
+
+
+def multi_worker_mirrored(
+    aggregation="mean", cluster_resolver=None, communication_options=None, **ops_kwargs
+):
+    """Returns a `MultiWorkerMirroredStrategy` that reduces with
+    `AggregatingAllReduce` over TensorFlow's collectives.
+
+    Every method (SUM, MEAN, ONLY_FIRST_REPLICA, NONE), packing and
+    compression work across workers; each pack is one collective
+    all-reduce over all replicas of all workers (NCCL between GPUs, a ring
+    between CPUs and machines). Keras 3's `fit` works under it (see
+    `KerasMultiWorkerMirroredStrategy`).
+
+    Call it first thing in every worker's program: TensorFlow connects the
+    workers when the strategy is created, and no other TensorFlow op may
+    run before.
+
+    Args:
+        aggregation: the default `AggregationMethod` for tf_agn optimizers
+            created in this strategy's scope without a method of their own.
+        cluster_resolver: where the workers are and which one this process
+            is; by default read from `TF_CONFIG` (without one, this process
+            is a single worker).
+        communication_options: a
+            `tf.distribute.experimental.CommunicationOptions` for the
+            strategy: its fields override the ops' own (`timeout_seconds`
+            turns a lost worker into an error instead of a hang).
+        **ops_kwargs: further `AggregatingAllReduce` arguments
+            (`bytes_per_pack`, `compression`, `timeout_seconds`, ...). The
+            transport is always "collective".
+
+    Returns:
+        A `KerasMultiWorkerMirroredStrategy`.
+
+    Raises:
+        ValueError: for an unknown aggregation or a bad ops argument.
+    """
+    if ops_kwargs.get("transport", "collective") != "collective":
+        raise ValueError(
+            'multi_worker_mirrored reduces across workers: transport must be '
+            f'"collective"; received {ops_kwargs["transport"]!r}.'
+        )
+    strategy = KerasMultiWorkerMirroredStrategy(
+        cluster_resolver=cluster_resolver, communication_options=communication_options
+    )
+    num_workers, worker_index = _worker_count_and_index(strategy.cluster_resolver)
+    ops_kwargs["transport"] = "collective"
+    ops = AggregatingAllReduce(
+        aggregation=aggregation,
+        num_workers=num_workers,
+        worker_index=worker_index,
+        **ops_kwargs,
+    )
+    local_replicas = len(strategy.extended.worker_devices)
+    if local_replicas * num_workers != strategy.num_replicas_in_sync:
+        raise RuntimeError(
+            f"{num_workers} workers of {local_replicas} replicas do not make "
+            f"the strategy's {strategy.num_replicas_in_sync}: every worker "
+            "must have the same number of devices."
+        )
+    _compat.replace_cross_device_ops(strategy.extended, ops)
+    return strategy
+
+
+def _worker_count_and_index(resolver):
+    """How many workers the cluster has, and this one's place among them,
+    numbered as `MultiWorkerMirroredStrategy` numbers replicas: the chief
+    first, then the workers in order."""
+    jobs = resolver.cluster_spec().as_dict()
+    chiefs = len(jobs.get("chief", []))
+    workers = chiefs + len(jobs.get("worker", []))
+    if not workers:
+        return 1, 0
+    if resolver.task_type == "chief":
+        return workers, 0
+    return workers, chiefs + int(resolver.task_id)
