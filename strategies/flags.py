@@ -24,12 +24,16 @@ if __name__ == "__main__":
 4 logical CPU devices whose gradients are summed.
 """
 
+import json
+import os
+
 from absl import flags
 import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.strategies.mirrored import mirrored
 from tf_agn.strategies.mirrored import split_cpu
+from tf_agn.strategies.multi_worker import multi_worker_mirrored
 
 # The flags belong to the module that calls `define_flags`, so that its
 # `--help` lists them (absl's `--help` shows the main module's flags only).
@@ -82,7 +86,13 @@ def _define(define, name, *args, flag_values, **kwargs):
 
 
 def strategy_from_flags(flag_values=flags.FLAGS):
-    """Returns the `MirroredStrategy` that the flags of `define_flags` ask for.
+    """Returns the strategy that the flags of `define_flags` ask for.
+
+    In a worker of a multi-worker cluster (a `TF_CONFIG` whose task is a
+    "worker" or "chief" of a cluster without "ps", as
+    `python -m tf_agn.strategies.launch --multi_worker N` sets it), that is
+    `tf_agn.strategies.multi_worker_mirrored(aggregation=--aggregation)`,
+    on every GPU of the worker or its one CPU. Otherwise:
 
     It replicates on every GPU or, without one, on the CPU split into
     `--cpu_replicas` logical devices (one device if 0); `--num_replicas` > 0
@@ -96,13 +106,16 @@ def strategy_from_flags(flag_values=flags.FLAGS):
         flag_values: the parsed `absl.flags.FlagValues` holding the flags.
 
     Returns:
-        A `tf.distribute.MirroredStrategy`.
+        A `tf.distribute.MirroredStrategy` (or its multi-worker kind).
 
     Raises:
         ValueError: if `--num_replicas` exceeds the number of devices.
         RuntimeError: if the CPU must be split but TensorFlow already runs
             with a different number of CPU devices.
     """
+    if _is_multi_worker_task(os.environ.get("TF_CONFIG")):
+        # Each worker replicates on its GPUs, or its one CPU.
+        return multi_worker_mirrored(aggregation=flag_values.aggregation)
     if tf.config.list_physical_devices("GPU"):
         kind = "GPU"
     else:
@@ -119,3 +132,15 @@ def strategy_from_flags(flag_values=flags.FLAGS):
             f"{', '.join(devices)}.{hint if kind == 'CPU' else ''}"
         )
     return mirrored(devices[:num_replicas], aggregation=flag_values.aggregation)
+
+
+def _is_multi_worker_task(tf_config):
+    """Whether `TF_CONFIG` (its text) makes this process a worker of a
+    multi-worker cluster (not a parameter-server one)."""
+    if not tf_config or not tf_config.strip():
+        return False
+    config = json.loads(tf_config)
+    cluster = config.get("cluster", {})
+    task_type = config.get("task", {}).get("type")
+    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    return "ps" not in cluster and task_type in ("worker", "chief") and workers > 1

@@ -1,4 +1,5 @@
-"""Runs a command as the coordinator of a local parameter-server cluster.
+"""Runs a command on a local cluster: as the coordinator of a
+parameter-server cluster, or as every worker of a multi-worker one.
 
     python -m tf_agn.strategies.launch --workers 4 --ps 1 -- \\
         python examples/some_script.py --flag ...
@@ -33,6 +34,18 @@ with its own `TF_CONFIG`. They share the "cluster" part and differ in
 Every address must be reachable from every machine (the chief's too: the
 workers connect back to it). Start the servers first; `parameter_server()`
 waits up to its `connect_timeout` for them and then names the missing ones.
+
+Multi-worker (synchronous, `tf_agn.strategies.multi_worker_mirrored`):
+
+    python -m tf_agn.strategies.launch --multi_worker 2 -- \\
+        python examples/mnist_mirrored.py
+
+runs the command N times, each process a worker of one cluster on
+localhost ports, with its own `TF_CONFIG`
+(`{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`).
+Worker 0's output passes through; every other line is prefixed with
+"[worker i]". If one worker fails, the others are stopped (they would wait
+for it for ever), and the launcher exits with the first failure's code.
 """
 
 import argparse
@@ -41,8 +54,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 from tf_agn.strategies.cluster import LocalCluster
+from tf_agn.strategies.ports import free_ports
 
 # How long an interrupted command gets to exit before it is killed.
 _INTERRUPT_GRACE_S = 10
@@ -57,7 +73,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m tf_agn.strategies.launch",
         description="Runs COMMAND as the coordinator of a local cluster.",
-        usage="%(prog)s [--workers N] [--ps N] [--start_timeout S] -- COMMAND ...",
+        usage=(
+            "%(prog)s [--workers N] [--ps N] [--start_timeout S] -- COMMAND ...\n"
+            "       %(prog)s --multi_worker N -- COMMAND ..."
+        ),
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks")
     parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks")
@@ -67,10 +86,20 @@ def parse_args(argv):
         default=60.0,
         help="seconds to wait for the servers to accept connections",
     )
+    parser.add_argument(
+        "--multi_worker",
+        type=int,
+        default=0,
+        help="run COMMAND as this many workers of a multi-worker cluster "
+        "instead (--workers and --ps do not apply)",
+    )
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         parser.error("give the command to run after '--'")
     split = argv.index("--")
-    return parser.parse_args(argv[:split]), argv[split + 1 :]
+    options = parser.parse_args(argv[:split])
+    if options.multi_worker < 0:
+        parser.error(f"--multi_worker must be >= 0; received {options.multi_worker}")
+    return options, argv[split + 1 :]
 
 
 def run(command, env):
@@ -97,11 +126,85 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def multi_worker_tf_configs(num_workers):
+    """One `TF_CONFIG` per worker of a cluster on free localhost ports."""
+    cluster = {"worker": [f"localhost:{port}" for port in free_ports(num_workers)]}
+    return [
+        {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        for index in range(num_workers)
+    ]
+
+
+def _relay(stream, prefix):
+    """Copies `stream` to stdout, each line after `prefix`."""
+    for line in stream:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+
+
+def run_workers(command, num_workers):
+    """Runs `command` as every worker of a local multi-worker cluster.
+
+    Returns:
+        0 if every worker exits with 0, else the first failure's code
+        (128 + N for a worker killed by signal N).
+    """
+    tf_configs = multi_worker_tf_configs(num_workers)
+    print(
+        f"Local multi-worker cluster: {', '.join(tf_configs[0]['cluster']['worker'])}",
+        flush=True,
+    )
+    processes, relays = [], []
+    try:
+        for index, tf_config in enumerate(tf_configs):
+            env = dict(os.environ, TF_CONFIG=json.dumps(tf_config))
+            pipe = subprocess.PIPE if index else None
+            process = subprocess.Popen(
+                command, env=env, stdout=pipe, stderr=subprocess.STDOUT if index else None,
+                text=True,
+            )
+            processes.append(process)
+            if index:
+                relay = threading.Thread(
+                    target=_relay, args=(process.stdout, f"[worker {index}] "), daemon=True
+                )
+                relay.start()
+                relays.append(relay)
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                returncode = failed[0]
+                break
+            if all(c == 0 for c in codes):
+                returncode = 0
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + _INTERRUPT_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+            time.sleep(0.1)
+        returncode = -signal.SIGINT
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        for relay in relays:
+            relay.join(timeout=5)
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def main(argv=None):
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
     # SIGTERM takes the Ctrl-C path: the command is stopped and the
     # cluster torn down.
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.multi_worker:
+        return run_workers(command, args.multi_worker)
     with LocalCluster(
         args.workers, args.ps, mode="processes", start_timeout=args.start_timeout
     ) as cluster:

@@ -3,6 +3,7 @@
 processes, and their argument checks in this one."""
 
 import json
+import pathlib
 import re
 import signal
 import subprocess
@@ -158,3 +159,48 @@ def test_server_module_names_a_malformed_tf_config(monkeypatch, capsys):
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert 'no "ps" job' in error and "A valid TF_CONFIG looks like" in error
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MNIST_MIRRORED = str(ROOT / "examples" / "mnist_mirrored.py")
+
+
+def test_launch_multi_worker_trains_the_example_across_two_processes():
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "2",
+            "--", sys.executable, MNIST_MIRRORED,
+            "--epochs=3", "--train_samples=2000", "--verbose=0",
+        ],
+        env=checkout_env(), capture_output=True, text=True, timeout=400,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "2 replicas, aggregation=mean" in result.stdout, output
+    accuracies = {}
+    for prefix, value in re.findall(r"^(\[worker 1\] )?test_accuracy=([\d.]+)$", result.stdout, re.M):
+        accuracies[prefix or "worker 0"] = float(value)
+    # Each worker evaluates the (shared) model on its shard of the test set.
+    assert len(accuracies) == 2, output
+    assert min(accuracies.values()) > 0.8, accuracies
+
+
+WORKER_EXITS = """
+import json, os, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+print(f"worker {index} of", len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]), flush=True)
+if index == 1:
+    sys.exit(5)
+time.sleep(600)
+"""
+
+
+def test_launch_multi_worker_stops_every_worker_when_one_fails():
+    result = subprocess.run(
+        [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "3",
+         "--", sys.executable, "-c", WORKER_EXITS],
+        env=checkout_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert "worker 0 of 3" in result.stdout
+    assert "[worker 1] worker 1 of 3" in result.stdout

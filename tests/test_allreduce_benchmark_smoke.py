@@ -1,0 +1,85 @@
+"""Runs benchmarks/allreduce.py on a tiny setting: it must check every
+candidate against numpy, print its tables and a verdict per target. The
+timings themselves are not checked (the machine is shared); the benchmark's
+own PASS/FAIL lines are for people."""
+
+import os
+import re
+
+import pytest
+
+from scripts import run_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLREDUCE = os.path.join(ROOT, "benchmarks", "allreduce.py")
+CANDIDATES = (
+    "stock_default",
+    "reduction_to_one_device",
+    "ours_local",
+    "ours_collective",
+)
+
+
+def run_benchmark(*args, timeout=600):
+    result = run_python(ALLREDUCE, *args, timeout=timeout, returncode=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def assert_rows(out, title, names):
+    """Every name has a timed row in the table headed `title`."""
+    match = re.search(
+        rf"^-- {re.escape(title)} --\n(.*?)(?:\n\n|\Z)", out, re.M | re.S
+    )
+    assert match, out
+    for name in names:
+        assert re.search(
+            rf"^  {name}\s+\d+\.\d+\s+\d+\.\d+\s", match.group(1), re.M
+        ), (title, name, out)
+
+
+def assert_verdict(out, pattern):
+    assert re.search(rf"^  (PASS|FAIL): {pattern}", out, re.M), (pattern, out)
+
+
+def test_allreduce_benchmark_runs_and_reports():
+    out = run_benchmark(
+        "--sets=tiny",
+        "--tiny_tensors=20",
+        "--repeats=1",
+        "--fit_steps=2",
+        "--fit_batch_size=8",
+    )
+    assert "stock_default: MirroredStrategy picks" in out
+    assert re.search(r"load average \d", out), out
+    for mode in ("keras_path", "unplaced"):
+        for name in CANDIDATES:
+            line = rf"^  {mode}/{name}: traced, ran and checked"
+            assert re.search(line, out, re.M), out
+        assert_rows(out, f"tiny, {mode}", CANDIDATES + ("numpy_floor",))
+    assert "every replica's outputs match numpy" in out
+    assert_rows(out, "fit_step (ms per step)", CANDIDATES)
+    assert "failed" not in out.lower(), out
+    ratio = r"\d+\.\d+x"
+    # One line per target that a tiny run exercises, in the targets' order.
+    assert_verdict(
+        out,
+        rf"tiny keras_path: ours_local is {ratio} as fast as "
+        "reduction_to_one_device",
+    )
+    assert_verdict(out, rf"tiny: ours_local unplaced takes {ratio} its keras_path")
+    assert_verdict(
+        out, rf"fit_step: ours \(ours_local\) steps {ratio} as fast as stock_default"
+    )
+    assert_verdict(
+        out, rf"tiny keras_path: ours_collective is {ratio} as fast as stock_default"
+    )
+
+
+@pytest.mark.slow
+def test_allreduce_benchmark_resnet50_target():
+    out = run_benchmark("--sets=resnet50", "--modes=keras_path", "--repeats=1")
+    assert_rows(out, "resnet50, keras_path", CANDIDATES + ("numpy_floor",))
+    assert_verdict(
+        out, r"resnet50 keras_path: ours \(ours_local\) takes \d+\.\d+x the numpy floor"
+    )
