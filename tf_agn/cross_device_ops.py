@@ -40,10 +40,15 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
       result is sent to the destinations. Where devices have memory of
       their own (GPUs), each replica first concatenates its part of the
       pack into one flat buffer, so that a pack crosses devices as one
-      transfer; logical CPU devices share host memory and are read in place
-      (`flatten_packs="auto"`; True or False forces either way).
+      transfer; logical CPU devices share host memory and are read in place,
+      unless a pack holds many small tensors, where one buffer saves the
+      per-tensor costs (`flatten_packs="auto"`; True or False forces either
+      way). A flattened result is split on each destination.
     - "collective": every replica scales, compresses and concatenates its
-      own part of the pack in one XLA-compiled call on its own device; one
+      own part of the pack in one XLA-compiled call on its own device (a
+      bare concatenation, with nothing to scale or cast, runs as
+      TensorFlow's own op, and so does a bare split, which on CPU copies
+      nothing); one
       TensorFlow collective all-reduce per pack (NCCL on GPUs, a ring on
       CPUs and across workers) sums the buffers of all replicas of all
       workers; every replica splits the result in one XLA-compiled call.
@@ -296,15 +301,20 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 method, values[index], devices[index], value_scale
             )
         for pack in packs:
-            reduced = self._combine_pack(
+            per_device = self._combine_pack(
                 method, [values[i] for i in pack], sources, devices[pack[0]], value_scale
             )
-            for index, tensor in zip(pack, reduced):
-                results[index] = _mirror(tensor, devices[index])
+            for position, index in enumerate(pack):
+                copies = tuple(tensors[position] for tensors in per_device)
+                results[index] = _compat.regroup(copies, wrap_class=_compat.Mirrored)
         return results
 
     def _combine_pack(self, method, values, sources, destinations, value_scale):
-        """Reduces one pack of same-dtype dense values on one device."""
+        """Reduces one pack of same-dtype dense values on one device.
+
+        Returns:
+            One list of the pack's results per destination, on it.
+        """
         dtype = values[0].values[0].dtype
         num_replicas = len(values[0].values)
         scale = _method_scale(method, dtype, num_replicas, value_scale)
@@ -315,7 +325,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             replicas = range(num_replicas)
             device = self.reduce_to_device or destinations[0]
         like = [v.values[0] for v in values]
-        flatten = self._flatten_packs(destinations)
+        flatten = self._flatten_packs(destinations, like)
         parts = [
             self._send([v.values[r] for v in values], sources[r], flatten)
             for r in replicas
@@ -323,11 +333,21 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         jit = self._jit(device)
         with tf.device(device):
             reduced = packing.combine_fn(jit)(parts, scale, dtype)
-            return packing.unflatten(reduced[0], like, jit_compile=jit) if flatten else reduced
+        if not flatten:
+            return [[_on(d, t) for t in reduced] for d in destinations]
+        # The one buffer travels; each destination splits its own copy, so
+        # every result is made on its device without a copy per tensor.
+        unpacked = []
+        for destination in destinations:
+            with tf.device(destination):
+                unpacked.append(
+                    packing.unflatten(reduced[0], like, jit_compile=self._jit(destination))
+                )
+        return unpacked
 
     def _send(self, tensors, device, flatten):
         """Prepares one replica's part of a pack for the trip: compressed
-        and, where transfers are real copies, flattened into one buffer."""
+        and, where that saves work, flattened into one buffer."""
         dtype = self._wire_dtype(tensors[0].dtype)
         if not flatten:
             if dtype == tensors[0].dtype:
@@ -335,14 +355,20 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             with tf.device(device):
                 return [tf.cast(t, dtype) for t in tensors]
         with tf.device(device):
-            return [packing.flatten_fn(self._jit(device))(tensors, dtype)]
+            return [packing.flatten(tensors, dtype, jit_compile=self._jit(device))]
 
-    def _flatten_packs(self, devices):
-        if self.flatten_packs == "auto":
-            return any(
-                tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices
-            )
-        return self.flatten_packs
+    def _flatten_packs(self, devices, tensors):
+        """Whether to flatten a pack of `tensors` for `devices`: where
+        transfers are real copies (not logical CPUs), or where the pack
+        holds so many small tensors that per-tensor costs outweigh a pass
+        over its bytes."""
+        if self.flatten_packs != "auto":
+            return self.flatten_packs
+        if any(tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices):
+            return True
+        sizes = [t.shape.num_elements() or 1 for t in tensors]
+        mean_bytes = sum(sizes) * tensors[0].dtype.size / len(tensors)
+        return len(tensors) > 1 and mean_bytes < packing.SMALL_TENSOR_BYTES
 
     def _gather_slices(self, method, value, devices, value_scale):
         slices = value.values
@@ -423,7 +449,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             scale = _method_scale(method, dtype, group.size, value_scale)
             wire = self._wire_dtype(dtype)
             with tf.device(device):
-                flat = packing.flatten_fn(jit)(like, wire, scale)
+                flat = packing.flatten(like, wire, scale, jit_compile=jit)
                 if method is AggregationMethod.ONLY_FIRST_REPLICA:
                     flat = group.broadcast(replica, flat, options)
                 else:

@@ -28,6 +28,12 @@ COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
 # them in again on the next step, which costs more than the sum itself.
 DEFAULT_BYTES_PER_PACK = 4 * 2**20
 
+# Below this mean tensor size, the local transport flattens a pack even
+# between logical CPUs: two thousand 1 KiB tensors cost more in per-tensor
+# work (an argument, an output and a copy per device each) than one pass
+# over their 2 MiB does.
+SMALL_TENSOR_BYTES = 16 * 2**10
+
 
 def plan_packs(dtypes_and_sizes, bytes_per_pack):
     """Groups tensor indices into packs of one dtype and bounded size.
@@ -126,27 +132,54 @@ def _unflatten(flat, shapes, dtype):
     return [tf.cast(tf.reshape(p, s), dtype) for p, s in zip(pieces, shapes)]
 
 
+def flatten(tensors, dtype, scale=1, jit_compile=False):
+    """`scale * tensors`, cast to `dtype`, as one flat buffer.
+
+    With a scale or a cast to fuse, this is one call of `flatten_fn`; a
+    bare concatenation runs as TensorFlow's own op, and a single tensor is
+    only reshaped, which copies nothing.
+
+    Args:
+        tensors: the tensors of one pack, on one device.
+        dtype: the buffer's dtype.
+        scale: a Python number.
+        jit_compile: whether `flatten_fn` is XLA-compiled.
+
+    Returns:
+        A 1-D tensor.
+    """
+    if scale == 1 and all(t.dtype == dtype for t in tensors):
+        pieces = [tf.reshape(t, [-1]) for t in tensors]
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
+    return flatten_fn(jit_compile)(tensors, dtype, scale)
+
+
 def unflatten(flat, like, dtype=None, jit_compile=False):
     """Splits a flat buffer back into tensors shaped like `like`.
 
-    Where every shape is known while tracing, the split runs in
-    `unflatten_fn(jit_compile)`; otherwise as plain graph ops on the shapes
-    at run time, since XLA needs the split sizes as constants.
+    With a cast to fuse and every shape known while tracing, this is one
+    call of `unflatten_fn` (XLA needs the split sizes as constants).
+    Otherwise it runs as TensorFlow's own split, which on CPU hands out
+    pieces of the buffer without copying them.
 
     Args:
         flat: a 1-D tensor.
         like: the tensors whose shapes to take.
         dtype: the dtype of the results; `like[0].dtype` by default.
-        jit_compile: whether to compile the split with XLA.
+        jit_compile: whether `unflatten_fn` is XLA-compiled.
 
     Returns:
         A list of tensors.
     """
     dtype = dtype or like[0].dtype
-    if all(t.shape.is_fully_defined() for t in like):
+    static = all(t.shape.is_fully_defined() for t in like)
+    if dtype != flat.dtype and static:
         shapes = tuple(tuple(t.shape.as_list()) for t in like)
         return unflatten_fn(jit_compile)(flat, shapes, dtype)
-    return _unflatten(flat, [tf.shape(t) for t in like], dtype)
+    if len(like) == 1:
+        return [tf.cast(tf.reshape(flat, tf.shape(like[0])), dtype)]
+    shapes = [tuple(t.shape.as_list()) if static else tf.shape(t) for t in like]
+    return _unflatten(flat, shapes, dtype)
 
 
 @functools.cache
