@@ -32,4 +32,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: long end-to-end tests (deselect with -m 'not slow')"
     )
+    config.addinivalue_line(
+        "markers", "gpu: needs a GPU; skipped with the reason where none is visible"
+    )
 

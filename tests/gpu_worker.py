@@ -1,0 +1,130 @@
+"""Checks and times AggregatingAllReduce on this machine's GPUs.
+
+Not a test module: tests/test_gpu.py runs it in a fresh process, since
+GPUs can only be split into logical devices before TensorFlow starts (and
+conftest starts it on split CPUs). It prints one JSON object on its last
+line: {"gpus": n, "rows": [...]} with a row per check and per timing.
+
+With one physical GPU it splits it into two logical GPUs: that checks the
+XLA-compiled packing and compression on GPU, placement and the local
+transport; NCCL refuses two ranks on one device, so "collective" is only
+checked with two or more physical GPUs.
+"""
+
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_agn  # noqa: E402
+
+SHAPES = [(1024, 512)] * 24 + [(512,)] * 24  # about 12.6 M floats
+REPEATS = 20
+
+
+def devices():
+    physical = tf.config.list_physical_devices("GPU")
+    if len(physical) == 1:
+        tf.config.set_logical_device_configuration(
+            physical[0], [tf.config.LogicalDeviceConfiguration(memory_limit=8192)] * 2
+        )
+    return [d.name for d in tf.config.list_logical_devices("GPU")], len(physical)
+
+
+def per_replica(strategy, names, arrays):
+    def make(index):
+        def fn(context):
+            r = context.replica_id_in_sync_group
+            with tf.device(names[r]):
+                return tf.identity(tf.constant(arrays[r][index]))
+
+        return fn
+
+    return [
+        strategy.experimental_distribute_values_from_function(make(i))
+        for i in range(len(arrays[0]))
+    ]
+
+
+def check(names, transport, compression):
+    ops = tf_agn.AggregatingAllReduce(transport=transport, compression=compression)
+    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
+    rng = np.random.default_rng(0)
+    arrays = [
+        [rng.uniform(0.5, 1.5, size=s).astype(np.float32) * (r + 1) for s in SHAPES[::8]]
+        for r in range(len(names))
+    ]
+    values = per_replica(strategy, names, arrays)
+    rows = []
+    for method in ("sum", "mean", "only_first_replica", "none"):
+        results = ops.aggregate(method, values)
+        error, placed = 0.0, True
+        for i, value in enumerate(results):
+            column = [a[i].astype(np.float64) for a in arrays]
+            for r, tensor in enumerate(value.values):
+                want = {
+                    "sum": sum(column), "mean": sum(column) / len(names),
+                    "only_first_replica": column[0], "none": column[r],
+                }[method]
+                got = tensor.numpy().astype(np.float64)
+                error = max(error, float(np.max(np.abs(got - want) / np.abs(want))))
+                placed &= tensor.device.endswith(names[r].split("/device:")[-1])
+        rows.append({
+            "kind": "check", "transport": transport, "compression": str(compression),
+            "method": method, "max_rel_error": error, "placed": bool(placed),
+        })
+    return rows
+
+
+def timed(names, name, cross_device_ops):
+    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=cross_device_ops)
+    rng = np.random.default_rng(1)
+    arrays = [[rng.standard_normal(s, dtype=np.float32) for s in SHAPES] for _ in names]
+    values = per_replica(strategy, names, arrays)
+
+    @tf.function
+    def step():
+        def replica_fn(*xs):
+            reduced = tf.distribute.get_replica_context().all_reduce(
+                "sum", [x * 1.0 for x in xs]
+            )
+            return tf.add_n([tf.reshape(r, [-1])[0] for r in reduced])
+
+        out = strategy.run(replica_fn, args=tuple(values))
+        return tf.add_n(strategy.experimental_local_results(out))
+
+    step().numpy()
+    seconds = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        step().numpy()
+        seconds.append(time.perf_counter() - start)
+    return {"kind": "time", "candidate": name, "median_ms": 1e3 * float(np.median(seconds))}
+
+
+def main():
+    names, num_physical = devices()
+    if not names:
+        print(json.dumps({"gpus": 0, "rows": []}))
+        return
+    transports = ["local"] + (["collective"] if num_physical >= 2 else [])
+    rows = []
+    for transport in transports:
+        for compression in (None, "fp16"):
+            rows += check(names, transport, compression)
+    candidates = {"stock_default": None, "ours_auto": tf_agn.AggregatingAllReduce()}
+    candidates["ours_local"] = tf_agn.AggregatingAllReduce(transport="local")
+    if num_physical >= 2:
+        candidates["nccl_all_reduce"] = tf.distribute.NcclAllReduce()
+        candidates["ours_collective"] = tf_agn.AggregatingAllReduce(transport="collective")
+    for name, ops in candidates.items():
+        rows.append(timed(names, name, ops))
+    print(json.dumps({"gpus": num_physical, "devices": names, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""AggregatingAllReduce on real GPUs: numerics of every method, fp16
+compression and placement, per transport (tests/gpu_worker.py, in a fresh
+process). Marked `gpu`; benchmarks/gpu_check.sh runs them and prints the
+table."""
+
+import json
+import os
+
+import pytest
+import tensorflow as tf
+
+from scripts import ROOT
+from scripts import run_python
+
+# GPUs are counted without initializing them (conftest has already started
+# TensorFlow on split CPUs; the checks run in a process of their own).
+NUM_GPUS = len(tf.config.list_physical_devices("GPU"))
+
+# Skipped, not failed, where there is no GPU: CI machines have none, and
+# the reason is printed so that nobody reads a skip as a pass.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(NUM_GPUS == 0, reason="no GPU is visible to TensorFlow"),
+]
+RTOL = {"None": 1e-6, "fp16": 4e-3}
+
+
+@pytest.fixture(scope="module")
+def report():
+    result = run_python(os.path.join(ROOT, "tests", "gpu_worker.py"), timeout=420)
+    report = json.loads(result.stdout.splitlines()[-1])
+    for row in report["rows"]:
+        print(json.dumps(row))
+    return report
+
+
+def test_every_method_matches_numpy_on_its_own_gpu(report):
+    checks = [row for row in report["rows"] if row["kind"] == "check"]
+    transports = {row["transport"] for row in checks}
+    assert "local" in transports
+    if NUM_GPUS >= 2:
+        assert "collective" in transports
+    for row in checks:
+        assert row["placed"], row
+        assert row["max_rel_error"] <= RTOL[row["compression"]], row
+
+
+def test_every_candidate_was_timed(report):
+    times = {row["candidate"]: row["median_ms"] for row in report["rows"] if row["kind"] == "time"}
+    assert {"stock_default", "ours_auto", "ours_local"} <= set(times), times
+    assert all(ms > 0 for ms in times.values()), times
