@@ -61,30 +61,17 @@ import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn.replicas import tf_agn_ops  # noqa: E402
+from multi_worker_data import DTYPES  # noqa: E402
+from multi_worker_data import SHAPES  # noqa: E402
+from multi_worker_data import replica_arrays  # noqa: E402
+from multi_worker_data import replica_slices  # noqa: E402
 
 # The strategy must exist before any other TensorFlow op runs.
 log("TensorFlow imported")
 STRATEGY = tf_agn.strategies.multi_worker_mirrored()
 log("cluster up")
 
-DTYPES = {"float16": tf.float16, "bfloat16": tf.bfloat16, "float32": tf.float32}
 COMPRESSIONS = ["none", "fp16"]
-SHAPES = [(3, 5), (7,), (11,)]
-
-
-def replica_arrays(replica, dtype_name, shapes=SHAPES):
-    """Global replica `replica`'s arrays; the test rebuilds them alike."""
-    rng = np.random.default_rng(len(shapes))
-    bases = [rng.uniform(0.5, 1.5, size=s) for s in shapes]
-    dtype = DTYPES[dtype_name]
-    return [tf.cast(b * (replica + 1) + replica, dtype).numpy() for b in bases]
-
-
-def replica_slices(replica):
-    """Global replica `replica`'s rows and indices into a (6, 4) table."""
-    rng = np.random.default_rng(100 + replica)
-    rows = rng.uniform(size=(replica + 1, 4)).astype(np.float32)
-    return rows, rng.integers(0, 6, size=replica + 1)
 
 
 def shard_indices(num_rows, batch_size, num_pipelines, pipeline_id):

@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_agn
+from multi_worker_data import replica_arrays
+from multi_worker_data import replica_slices
 from reference import sgd_trajectory
 from mlp import LEARNING_RATE
 from mlp import METHODS
@@ -277,18 +278,6 @@ def test_synchronized_methods_keep_workers_equal(cluster, method):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"weight {i}")
 
 
-def _replica_arrays(replica, dtype_name):
-    """As the worker builds them (multi_worker_worker.replica_arrays)."""
-    shapes = [(3, 5), (7,), (11,)]
-    rng = np.random.default_rng(len(shapes))
-    bases = [rng.uniform(0.5, 1.5, size=s) for s in shapes]
-    dtype = getattr(tf, dtype_name)
-    return [
-        tf.cast(b * (replica + 1) + replica, dtype).numpy().astype(np.float64)
-        for b in bases
-    ]
-
-
 @pytest.mark.parametrize(
     "compression, dtype_name",
     [("none", "float16"), ("none", "bfloat16"), ("none", "float32"), ("fp16", "float32")],
@@ -296,7 +285,10 @@ def _replica_arrays(replica, dtype_name):
 @pytest.mark.parametrize("method", tf_agn.AggregationMethod.names())
 def test_aggregate_matches_numpy_across_workers(cluster, method, dtype_name, compression):
     num_workers, workers = cluster
-    arrays = [_replica_arrays(r, dtype_name) for r in range(num_workers)]
+    arrays = [
+        [a.astype(np.float64) for a in replica_arrays(r, dtype_name)]
+        for r in range(num_workers)
+    ]
     rtol = COMPRESSED_RTOL if compression == "fp16" else AGGREGATE_RTOL[dtype_name]
     for replica, result in enumerate(workers):
         for i in range(len(arrays[0])):
@@ -313,18 +305,12 @@ def test_aggregate_matches_numpy_across_workers(cluster, method, dtype_name, com
             )
 
 
-def _replica_slices(replica):
-    rng = np.random.default_rng(100 + replica)
-    rows = rng.uniform(size=(replica + 1, 4)).astype(np.float32)
-    return rows, rng.integers(0, 6, size=replica + 1)
-
-
 @pytest.mark.parametrize("method", ["sum", "mean", "only_first_replica"])
 def test_sparse_values_are_gathered_across_workers(cluster, method):
     num_workers, workers = cluster
     dense = []
     for replica in range(num_workers):
-        rows, indices = _replica_slices(replica)
+        rows, indices = replica_slices(replica)
         table = np.zeros((6, 4))
         np.add.at(table, indices, rows)
         dense.append(table)

@@ -1,0 +1,23 @@
+"""The per-replica values the multi-worker tests aggregate: built by each
+worker (multi_worker_worker.py) and again by the test for its reference."""
+
+import numpy as np
+import tensorflow as tf
+
+DTYPES = ["float16", "bfloat16", "float32"]
+SHAPES = [(3, 5), (7,), (11,)]
+
+
+def replica_arrays(replica, dtype_name):
+    """Global replica `replica`'s arrays, rounded to `dtype_name`."""
+    rng = np.random.default_rng(len(SHAPES))
+    bases = [rng.uniform(0.5, 1.5, size=s) for s in SHAPES]
+    dtype = getattr(tf, dtype_name)
+    return [tf.cast(b * (replica + 1) + replica, dtype).numpy() for b in bases]
+
+
+def replica_slices(replica):
+    """Global replica `replica`'s rows and indices into a (6, 4) table."""
+    rng = np.random.default_rng(100 + replica)
+    rows = rng.uniform(size=(replica + 1, 4)).astype(np.float32)
+    return rows, rng.integers(0, 6, size=replica + 1)
