@@ -110,6 +110,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_agn  # noqa: E402
+from tf_agn import _compat  # noqa: E402
 from tf_agn import collective  # noqa: E402
 from tf_agn.strategies import split_cpu  # noqa: E402
 
@@ -232,8 +233,7 @@ def build_strategies(devices):
 
 def describe_stock(strategy):
     """What `MirroredStrategy` picked when given no cross-device ops."""
-    extended = strategy.extended
-    ops = extended._cross_device_ops  # pylint: disable=protected-access
+    ops = _compat.cross_device_ops(strategy.extended)
     text = f"{type(ops).__module__}.{type(ops).__name__}"
     options = getattr(ops, "_options", None)
     implementation = getattr(options, "implementation", None)
@@ -270,7 +270,8 @@ def function_inputs(strategy, tensors):
     captured = [[graph.capture(t) for t in copies] for copies in tensors]
     return [
         strategy.experimental_distribute_values_from_function(
-            lambda context, c=c: c[context.replica_id_in_sync_group]
+            # Replica ids count every worker's replicas; `c` holds this one's.
+            lambda context, c=c: c[context.replica_id_in_sync_group % len(c)]
         )
         for c in captured
     ]

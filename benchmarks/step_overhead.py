@@ -58,6 +58,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras  # noqa: E402
 import tf_agn  # noqa: E402
+from tf_agn import _compat  # noqa: E402
 from tf_agn.strategies import split_cpu  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -299,7 +300,7 @@ def main(argv):
         f"{num_params * 4 / 2**20:.1f} MiB of float32 gradients); global batch "
         f"{FLAGS.batch_size}; {FLAGS.steps} steps x {FLAGS.repeats} rounds; "
         f"jit_compile={FLAGS.jit_compile}; stock strategy's ops: "
-        f"{type(stock.extended._cross_device_ops).__name__}"
+        f"{type(_compat.cross_device_ops(stock.extended)).__name__}"
     )
     x, y = make_data(FLAGS.batch_size * 8)
     dataset = (

@@ -171,6 +171,15 @@ def main(inputs_path, model_path, out_dir):
         (weights,) = tf_agn.replica_weights(model)  # this worker's one copy
         for i, array in enumerate(weights):
             result[f"{method}/{i}"] = array
+    # Keras's own optimizer all-reduces through the strategy's ops, in
+    # replica context (`replica_context.all_reduce`).
+    with strategy.scope():
+        model = keras.models.load_model(model_path, compile=False)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    model.fit(dataset, epochs=1, verbose=0)
+    log("trained with keras.optimizers.SGD")
+    for i, array in enumerate(model.get_weights()):
+        result[f"keras_sgd/{i}"] = array
 
     path = os.path.join(out_dir, f"worker{task_index}.npz")
     np.savez(path + ".partial.npz", **result)

@@ -1,5 +1,6 @@
-"""Runs benchmarks/allreduce.py on a tiny setting: it must check every
-candidate against numpy, print its tables and a verdict per target. The
+"""Runs benchmarks/allreduce.py and benchmarks/multi_worker_allreduce.py on
+tiny settings: each must check every candidate against numpy, print its
+tables and a verdict per target. The
 timings themselves are not checked (the machine is shared); the benchmark's
 own PASS/FAIL lines are for people."""
 
@@ -12,6 +13,7 @@ from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLREDUCE = os.path.join(ROOT, "benchmarks", "allreduce.py")
+MULTI_WORKER = os.path.join(ROOT, "benchmarks", "multi_worker_allreduce.py")
 CANDIDATES = (
     "stock_default",
     "reduction_to_one_device",
@@ -20,8 +22,8 @@ CANDIDATES = (
 )
 
 
-def run_benchmark(*args, timeout=600):
-    result = run_python(ALLREDUCE, *args, timeout=timeout, returncode=None)
+def run_benchmark(*args, script=ALLREDUCE, timeout=600):
+    result = run_python(script, *args, timeout=timeout, returncode=None)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -83,3 +85,24 @@ def test_allreduce_benchmark_resnet50_target():
     assert_verdict(
         out, r"resnet50 keras_path: ours \(ours_local\) takes \d+\.\d+x the numpy floor"
     )
+
+
+def test_multi_worker_benchmark_runs_and_reports():
+    out = run_benchmark(
+        "--sets=big", "--big_size=100000", "--repeats=1", "--byte_calls=1",
+        script=MULTI_WORKER,
+    )
+    assert "2 workers, one CPU replica each; mwms_default:" in out, out
+    names = ("mwms_default", "ours", "ours_fp16")
+    for name in names:
+        assert re.search(rf"^  {name}: traced, ran and checked", out, re.M), out
+    assert_rows(out, "big, keras_path across workers", names)
+    # The loopback bytes of one call: at least the payload a 2-worker ring
+    # sends (each worker its 400 KB, half that in fp16).
+    rows = dict(
+        re.findall(r"^  (\w+)\s+[\d.]+\s+[\d.]+\s+[\d.-]+\s+([\d.]+)\s", out, re.M)
+    )
+    assert float(rows["ours"]) >= 2 * 100000 * 4 / 2**20 * 0.99, out
+    assert float(rows["ours_fp16"]) >= 2 * 100000 * 2 / 2**20 * 0.99, out
+    assert_verdict(out, r"big: ours is \d+\.\d+x as fast as mwms_default")
+    assert_verdict(out, r"big: ours_fp16 puts \d+\.\d+x the bytes of ours on the wire")

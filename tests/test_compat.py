@@ -2,6 +2,7 @@
 still exists and behaves as we rely on. A failure here means this
 TensorFlow changed an internal: update `_compat`, nowhere else."""
 
+import pytest
 import tensorflow as tf
 
 from conftest import DEVICES
@@ -34,3 +35,15 @@ def test_per_replica_helpers():
     assert len(single.values) == 1
     mirrored = _compat.regroup(tuple(value.values), wrap_class=_compat.Mirrored)
     assert isinstance(mirrored, _compat.Mirrored)
+
+
+def test_cross_device_ops_reads_and_replaces_a_strategys_ops():
+    ops = tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+    assert _compat.cross_device_ops(strategy.extended) is ops
+    other = tf.distribute.ReductionToOneDevice()
+    _compat.replace_cross_device_ops(strategy.extended, other)
+    assert _compat.cross_device_ops(strategy.extended) is other
+    one_device = tf.distribute.OneDeviceStrategy(DEVICES[0])
+    with pytest.raises(RuntimeError, match="keeps no CrossDeviceOps"):
+        _compat.cross_device_ops(one_device.extended)

@@ -250,6 +250,27 @@ def test_fit_weights_match_numpy_reference(cluster, method):
         )
 
 
+def test_keras_optimizer_fit_averages_across_workers(cluster):
+    """Keras's own SGD under our strategy trains on the mean gradient of
+    all workers. With one replica per worker, TensorFlow's CrossDeviceOps
+    skip the reduction unless the ops report several workers: each worker
+    then trains alone on its shard."""
+    num_workers, workers = cluster
+    x, y = data(ROWS_STEPS)
+    want = sgd_trajectory(
+        initial_params(), x, y, "mean", num_workers, BATCH[num_workers], LEARNING_RATE
+    )
+    alone = sgd_trajectory(
+        initial_params(), x, y, "none", num_workers, BATCH[num_workers], LEARNING_RATE
+    )
+    for index, result in enumerate(workers):
+        _assert_matches(
+            _weights(result, "keras_sgd"), want[index],
+            {"each worker alone": alone[index]},
+            f"keras.optimizers.SGD, worker {index}",
+        )
+
+
 def test_none_trains_each_worker_on_its_own_shard_alone(cluster):
     num_workers, workers = cluster
     x, y = data(ROWS_STEPS)

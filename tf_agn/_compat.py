@@ -22,7 +22,8 @@ What we need, and why:
   per-replica results a `CrossDeviceOps` must return.
 - `CollectiveAllReduceExtended._cross_device_ops`: where a
   `MultiWorkerMirroredStrategy` keeps its all-reduce; there is no public
-  argument to give it another (`replace_cross_device_ops`).
+  argument to give it another (`replace_cross_device_ops`), nor to read it
+  (`cross_device_ops`, for benchmarks that compare against it).
 """
 
 from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
@@ -44,17 +45,26 @@ def next_instance_key(launcher):
     return launcher._next_instance_key()
 
 
-def replace_cross_device_ops(extended, cross_device_ops):
-    """Makes `extended` (a `MultiWorkerMirroredStrategy`'s) reduce over its
-    compute devices with `cross_device_ops` instead of TensorFlow's
-    `CollectiveAllReduce`. Host-tensor reductions keep TensorFlow's ops."""
-    if not isinstance(
-        getattr(extended, "_cross_device_ops", None),
-        _tf_cross_device_ops.CollectiveAllReduce,
-    ):
+def cross_device_ops(extended):
+    """The `CrossDeviceOps` a strategy's `extended` reduces with.
+
+    Raises:
+        RuntimeError: if this TensorFlow keeps them elsewhere.
+    """
+    ops = getattr(extended, "_cross_device_ops", None)
+    if not isinstance(ops, _tf_cross_device_ops.CrossDeviceOps):
         raise RuntimeError(
-            "This TensorFlow's MultiWorkerMirroredStrategy keeps no "
-            "CollectiveAllReduce in `extended._cross_device_ops`; tf_agn "
-            "cannot install its all-reduce. Use a tested TensorFlow version."
+            f"This TensorFlow's {type(extended).__name__} keeps no "
+            "CrossDeviceOps in `_cross_device_ops`; tf_agn cannot read or "
+            "install its all-reduce. Use a tested TensorFlow version."
         )
-    extended._cross_device_ops = cross_device_ops
+    return ops
+
+
+def replace_cross_device_ops(extended, ops):
+    """Makes `extended` (a `MultiWorkerMirroredStrategy`'s) reduce over its
+    compute devices with the `CrossDeviceOps` `ops` instead of the ones it has
+    (TensorFlow's `CollectiveAllReduce`, unless replaced before).
+    Host-tensor reductions keep TensorFlow's ops."""
+    cross_device_ops(extended)  # raises if TensorFlow moved them
+    extended._cross_device_ops = ops

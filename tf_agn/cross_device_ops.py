@@ -191,6 +191,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     # TensorFlow's entry points.
 
+    @property
+    def _num_between_graph_workers(self):
+        # TensorFlow's `CrossDeviceOps.reduce` and `batch_reduce` hand a
+        # lone local replica's value back unreduced when this is 1: with one
+        # replica per worker, nothing would cross workers.
+        return self.num_workers
+
     def reduce_implementation(
         self, reduce_op, per_replica_value, destinations, options
     ):
