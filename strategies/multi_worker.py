@@ -33,8 +33,11 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
 
     Here `reduce` takes nests leaf by leaf, and reduces a scalar across
     replicas only, as Keras does for scalars under `MirroredStrategy`.
-    Gradients do not pass through `reduce`; they go through the
-    optimizer's all-reduce.
+    The batch of (1) holds integer labels: their MEAN is the float64 mean,
+    as TensorFlow's own reductions answer it (`MirroredStrategy` sends
+    int32 values to `ReductionToOneDevice`), which tf_agn's ops, refusing
+    an integer MEAN, would not give. Gradients do not pass through
+    `reduce`; they go through the optimizer's all-reduce.
     """
 
     def reduce(self, reduce_op, value, axis=None):
@@ -43,10 +46,14 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         )
 
     def _reduce_leaf(self, reduce_op, value, axis):
-        if axis is not None:
-            local = self.experimental_local_results(value)[0]
-            if local.shape.rank == 0:
-                axis = None
+        local = self.experimental_local_results(value)[0]
+        if axis is not None and local.shape.rank == 0:
+            axis = None
+        # With an axis, `reduce` sums per replica and counts by itself.
+        is_mean = tf.distribute.ReduceOp(reduce_op) == tf.distribute.ReduceOp.MEAN
+        if axis is None and is_mean and tf.as_dtype(local.dtype).is_integer:
+            total = super().reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            return total / self.num_replicas_in_sync
         return super().reduce(reduce_op, value, axis=axis)
 
 

@@ -247,9 +247,15 @@ def keras_fix_results(strategy, dataset):
     `MultiWorkerMirroredStrategy.reduce` and through ours."""
     batch = next(iter(dataset))
     loss = strategy.run(lambda x, y: tf.reduce_mean(x), args=batch)
+    # Integer labels, as the batch of the first call holds in the example:
+    # replica r holds r + 1, so their MEAN is (n + 1) / 2, not an integer.
+    labels = strategy.run(
+        lambda: tf.distribute.get_replica_context().replica_id_in_sync_group + 1
+    )
     calls = [
         lambda reduce: reduce("MEAN", batch, axis=None),
         lambda reduce: reduce("MEAN", loss, axis=0),
+        lambda reduce: reduce("MEAN", labels, axis=None),
     ]
     stock = lambda *a, **k: tf.distribute.MultiWorkerMirroredStrategy.reduce(  # noqa: E731
         strategy, *a, **k
@@ -259,11 +265,12 @@ def keras_fix_results(strategy, dataset):
         errors = []
         for call in calls:
             try:
-                call(reduce)
+                result = call(reduce)
                 errors.append("")
             except Exception as error:  # noqa: BLE001 - recorded for the test
                 errors.append(f"{type(error).__name__}: {error}"[:300])
         out[f"keras_fix/{name}"] = np.array(errors)
+    out["keras_fix/integer_mean"] = np.asarray(result)  # ours, the last call
     return out
 
 
