@@ -163,6 +163,11 @@ class LocalCluster:
         if self._state == "stopped":
             raise RuntimeError("This LocalCluster was stopped; create a new one.")
         self._state = "running"
+        # The chief's port opens too, when a strategy connects to the cluster.
+        print(
+            server.exposure_notice([a for tasks in self._addresses.values() for a in tasks]),
+            flush=True,
+        )
         try:
             if self._mode == "threads":
                 self._start_in_process()

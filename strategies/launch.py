@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 
+from tf_agn.strategies import server
 from tf_agn.strategies.cluster import LocalCluster
 from tf_agn.strategies.ports import free_ports
 
@@ -150,10 +151,9 @@ def run_workers(command, num_workers):
         (128 + N for a worker killed by signal N).
     """
     tf_configs = multi_worker_tf_configs(num_workers)
-    print(
-        f"Local multi-worker cluster: {', '.join(tf_configs[0]['cluster']['worker'])}",
-        flush=True,
-    )
+    addresses = tf_configs[0]["cluster"]["worker"]
+    print(f"Local multi-worker cluster: {', '.join(addresses)}", flush=True)
+    print(server.exposure_notice(addresses), flush=True)
     processes, relays = [], []
     try:
         for index, tf_config in enumerate(tf_configs):

@@ -122,6 +122,24 @@ def server_config(task_type, num_workers):
     return config
 
 
+def exposure_notice(addresses):
+    """The line printed when servers start: which ports TensorFlow's gRPC
+    servers open to every network interface, and what that allows.
+
+    `tf.distribute.Server` binds the wildcard address whatever host its
+    cluster spec names, and runs any op for anyone who connects.
+
+    Args:
+        addresses: the servers' "host:port" or "grpc://host:port".
+    """
+    ports = ", ".join(address.rpartition(":")[2] for address in addresses)
+    return (
+        "tf_agn: TensorFlow gRPC servers listen on all network interfaces, "
+        f"without authentication, on port(s) {ports}: keep them behind a "
+        "firewall (README, Security)."
+    )
+
+
 def start_server(tf_config):
     """Starts the `tf.distribute.Server` of `tf_config`'s task.
 
@@ -182,6 +200,7 @@ def main(argv=None):
         parser.error(str(error))
     server = start_server(tf_config)
     task = tf_config["task"]
+    print(exposure_notice([server.target]), flush=True)
     print(
         f"{task['type']} {task.get('index', 0)} {SERVING} {server.target}", flush=True
     )

@@ -25,6 +25,24 @@ def port_is_free(port):
     return True
 
 
+def listening(port):
+    """The local addresses with a socket listening on TCP `port`, from
+    /proc/net/tcp and tcp6 ("0.0.0.0" or "::" for all interfaces)."""
+    found = []
+    for table, wildcard in (("/proc/net/tcp", "0.0.0.0"), ("/proc/net/tcp6", "::")):
+        try:
+            with open(table) as rows:
+                next(rows)  # the header
+                for row in rows:
+                    local, state = row.split()[1], row.split()[3]
+                    address, _, hex_port = local.partition(":")
+                    if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                        found.append(wildcard if set(address) == {"0"} else address)
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def run_in_fresh_process(script, *args, timeout=180):
     """Runs a Python script in a new process; returns its last output line
     parsed as JSON.

@@ -21,6 +21,7 @@ import pytest
 
 from cluster_checks import alive
 from cluster_checks import checkout_env
+from cluster_checks import listening
 from cluster_checks import port_is_free
 from cluster_checks import running_servers
 from cluster_checks import run_in_fresh_process
@@ -192,12 +193,20 @@ def test_malformed_tf_config_is_named(monkeypatch, tf_config, problem):
 # Processes mode --------------------------------------------------------------
 
 
-def test_stop_kills_every_server_and_frees_its_port():
+def test_stop_kills_every_server_and_frees_its_port(capsys):
     with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
         pids = [pid for job_pids in cluster.pids.values() for pid in job_pids]
         STARTED_PIDS.extend(pids)
         addresses = [a for job in ("worker", "ps") for a in cluster.addresses[job]]
         assert all(map(accepts, addresses))
+        # What the notice printed at start warns about: "localhost" in the
+        # cluster spec, yet every interface.
+        ports = [_port(a) for job in cluster.addresses.values() for a in job]
+        notice = capsys.readouterr().out
+        assert "listen on all network interfaces, without authentication" in notice
+        assert f"port(s) {', '.join(map(str, ports))}:" in notice, notice
+        for address in addresses:
+            assert set(listening(_port(address))) & {"0.0.0.0", "::"}, address
 
         worker_1 = cluster.pids["worker"][1]
         cluster.kill_worker(1)
@@ -215,6 +224,7 @@ def test_stop_kills_every_server_and_frees_its_port():
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # Reaped: no zombie left.
     assert all(port_is_free(_port(address)) for address in addresses)
+    assert not [a for a in addresses if listening(_port(a))]
 
 
 def _with_fake_server(monkeypatch, tmp_path, source):
@@ -324,3 +334,4 @@ def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
     assert not [pid for pid in pids if alive(pid)]
     addresses = [a for job in ("worker", "ps") for a in started["addresses"][job]]
     assert all(port_is_free(_port(address)) for address in addresses)
+    assert not [a for a in addresses if listening(_port(a))]

@@ -75,7 +75,9 @@ def test_launch_runs_the_command_as_coordinator_and_passes_its_exit_code(tmp_pat
     )
     output = result.stdout + result.stderr
     assert result.returncode == 3, output
-    assert result.stdout.startswith("Local cluster: worker localhost:"), output
+    lines = result.stdout.splitlines()
+    assert "listen on all network interfaces, without authentication" in lines[0], output
+    assert lines[1].startswith("Local cluster: worker localhost:"), output
     assert "workers=2 count=4.0" in result.stdout, output
 
 
@@ -100,7 +102,8 @@ def test_interrupted_launch_stops_the_command_and_the_cluster():
         text=True,
     )
     try:
-        cluster_line = launcher.stdout.readline()
+        notice, cluster_line = launcher.stdout.readline(), launcher.stdout.readline()
+        assert "without authentication" in notice, notice
         assert launcher.stdout.readline() == "ready\n", cluster_line
         launcher.send_signal(
             signal.SIGINT
@@ -149,6 +152,10 @@ def test_server_module_serves_the_task_of_its_tf_config():
         server.kill()
         lines.append(server.communicate()[0])
     assert "ps 0 serving at grpc://localhost:" in "".join(lines)
+    notice = "TensorFlow gRPC servers listen on all network interfaces"
+    assert f"{notice}, without authentication, on port(s) {ps.split(':')[1]}:" in (
+        "".join(lines)
+    )
 
 
 def test_server_module_names_a_malformed_tf_config(monkeypatch, capsys):
@@ -177,6 +184,10 @@ def test_launch_multi_worker_trains_the_example_across_two_processes():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "2 replicas, aggregation=mean" in result.stdout, output
+    ports = re.search(r"^Local multi-worker cluster: localhost:(\d+), localhost:(\d+)$",
+                      result.stdout, re.M)
+    assert ports, output
+    assert f"without authentication, on port(s) {', '.join(ports.groups())}:" in output
     accuracies = {}
     for prefix, value in re.findall(r"^(\[worker 1\] )?test_accuracy=([\d.]+)$", result.stdout, re.M):
         accuracies[prefix or "worker 0"] = float(value)
