@@ -11,7 +11,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     # The distribution side lives in the top-level `strategies/` folder but
     # installs inside the package, so no generic `strategies` module lands
     # in site-packages.
@@ -23,8 +23,11 @@ setup(
     ],
     package_dir={"tf_agn.strategies": "strategies"},
     install_requires=[
-        "tensorflow>=2.16",
-        "keras>=3.0",
+        # The releases CI tests (tf_agn._compat.TESTED_VERSIONS): tf_agn
+        # relies on private TensorFlow and Keras API, which minor releases
+        # change.
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<3.16",
         "absl-py",
         "numpy",
         "tensorflow-datasets",

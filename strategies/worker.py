@@ -1,8 +1,8 @@
 """`Worker`: one worker's side of asynchronous training."""
 
-from keras.src.optimizers import base_optimizer
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn.optimizers.windowed import optimizer_state
 from tf_agn.strategies.worker_state import per_worker_variables
 
@@ -47,14 +47,9 @@ class Worker:
             self.commits_at_pull = tf.Variable(0, dtype=tf.int64, trainable=False)
             # A clone, so that every worker owns its optimizer state.
             self.inner_optimizer = optimizer.plain_inner_optimizer()
-            # Keras' TensorFlow optimizer colocates its slots with the
-            # weights through the strategy, which refuses worker-local
-            # weights; the base class creates them plainly.
-            self.inner_optimizer.add_variable_from_reference = lambda *args, **kwargs: base_optimizer.BaseOptimizer.add_variable_from_reference(
-                self.inner_optimizer, *args, **kwargs
-            )
-            self.inner_optimizer.build(self.weights)
-            del self.inner_optimizer.add_variable_from_reference
+            # The strategy refuses to colocate slots with worker-local weights.
+            with _compat.slots_created_plainly(self.inner_optimizer):
+                self.inner_optimizer.build(self.weights)
 
     def pull(self):
         """Reads the center; resetting algorithms start their window from it."""
@@ -80,9 +75,7 @@ class Worker:
                 loss = loss + tf.add_n(losses)
         gradients = tape.gradient(loss, values)
         inner = self.inner_optimizer
-        base_optimizer.BaseOptimizer._backend_update_step(
-            inner, gradients, self.weights, inner.learning_rate
-        )
+        _compat.update_step_in_place(inner, gradients, self.weights, inner.learning_rate)
         inner.iterations.assign_add(1)
         return loss
 

@@ -1,12 +1,19 @@
-"""Every private TensorFlow name tf_agn reaches through `tf_agn._compat`
-still exists and behaves as we rely on. A failure here means this
-TensorFlow changed an internal: update `_compat`, nowhere else."""
+"""Every private TensorFlow and Keras name tf_agn reaches through
+`tf_agn._compat` still exists and behaves as we rely on. A failure here
+means a release changed an internal: update `_compat`, nowhere else."""
 
+import os
+import re
+
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import DEVICES
 from tf_agn import _compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_collective_keys_give_distinct_groups_and_per_device_instances():
@@ -47,3 +54,103 @@ def test_cross_device_ops_reads_and_replaces_a_strategys_ops():
     one_device = tf.distribute.OneDeviceStrategy(DEVICES[0])
     with pytest.raises(RuntimeError, match="keeps no CrossDeviceOps"):
         _compat.cross_device_ops(one_device.extended)
+
+
+# Keras ------------------------------------------------------------------------
+
+
+def test_update_step_in_place_updates_each_replicas_own_copy():
+    """What NONE and local steps rely on: in replica context the update
+    touches only that replica's copy, with no all-reduce."""
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    with strategy.scope():
+        variable = keras.Variable(np.ones(2, np.float32))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([variable])
+
+    @tf.function
+    def step():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            grad = tf.fill([2], tf.cast(context.replica_id_in_sync_group + 1, tf.float32))
+            _compat.update_step_in_place(optimizer, [grad], [variable], 0.1)
+
+        strategy.run(replica_fn)
+
+    step()
+    copies = [v.numpy() for v in strategy.experimental_local_results(variable.value)]
+    want = [np.full(2, 1 - 0.1 * (r + 1), np.float32) for r in range(len(DEVICES))]
+    np.testing.assert_allclose(copies, want, rtol=1e-6)
+
+
+def test_weight_decay_and_clipping_follow_keras_formulas():
+    variable = keras.Variable(np.full(2, 2.0, np.float32))
+    optimizer = keras.optimizers.AdamW(0.5, weight_decay=0.1, clipnorm=1.0)
+    optimizer.build([variable])
+    _compat.apply_weight_decay_in_place(optimizer, [variable])
+    np.testing.assert_allclose(variable.numpy(), 2.0 * (1 - 0.5 * 0.1), rtol=1e-6)
+    (clipped,) = _compat.clip_gradients_in_place(optimizer, [tf.constant([3.0, 4.0])])
+    np.testing.assert_allclose(clipped.numpy(), [0.6, 0.8], rtol=1e-6)
+
+
+def test_slots_created_plainly_is_scoped():
+    optimizer = keras.optimizers.Adam()
+    variable = keras.Variable(np.zeros(3, np.float32))
+    with _compat.slots_created_plainly(optimizer):
+        assert "add_variable_from_reference" in vars(optimizer)
+        optimizer.build([variable])
+    assert "add_variable_from_reference" not in vars(optimizer)
+    assert [v.shape for v in optimizer.variables[2:]] == [(3,), (3,)]  # m and v
+
+
+def test_ordered_per_worker_needs_a_per_worker_variable():
+    for name in ("handle_call_time_value", "_maybe_create_per_worker_vars"):
+        assert hasattr(_compat._tf_ps_values.PerWorkerVariable, name), name
+    with pytest.raises(RuntimeError, match="PerWorkerVariable, got ResourceVariable"):
+        _compat.ordered_per_worker(tf.Variable(1.0))
+
+
+def test_loss_and_metric_wrappers_compile_like_keras():
+    loss = _compat.LossFunctionWrapper(keras.losses.mean_squared_error)
+    value = loss(tf.constant([[1.0, 3.0]]), tf.constant([[0.0, 0.0]]))
+    assert float(value) == pytest.approx(5.0)
+    metrics = _compat.CompileMetrics(["accuracy"], None)
+    y_true, y_pred = tf.constant([[1.0], [0.0]]), tf.constant([[0.9], [0.9]])
+    metrics.build(y_true, y_pred)
+    metrics.update_state(y_true, y_pred)
+    assert float(metrics.result()["accuracy"]) == pytest.approx(0.5)
+
+
+# Versions ---------------------------------------------------------------------
+
+
+def test_installed_versions_are_the_tested_ones():
+    assert _compat.untested_versions() == []
+
+
+def test_setup_declares_the_tested_range():
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    for name, (low, high) in _compat.TESTED_VERSIONS.items():
+        assert f'"{name}>={low},<{high}"' in setup, name
+
+
+def test_an_untested_version_warns_naming_the_tested_range():
+    versions = {"tensorflow": "2.22.0", "keras": "3.15.1"}
+    assert _compat.untested_versions(versions) == ["tensorflow 2.22.0"]
+    assert _compat.untested_versions({"tensorflow": "2.21.0rc1", "keras": "3.15.0"}) == []
+    with pytest.warns(RuntimeWarning, match=r"tensorflow >=2.21,<2.22.*has tensorflow 2.22.0"):
+        _compat.check_versions(versions)
+
+
+def test_private_modules_are_imported_only_here():
+    pattern = re.compile(r"^\s*(from|import)\s+(keras\.src|tensorflow\.python)\b", re.M)
+    offenders = []
+    for folder in ("tf_agn", "strategies", "examples", "benchmarks"):
+        for directory, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in names:
+                path = os.path.join(directory, name)
+                if not name.endswith(".py") or name == "_compat.py":
+                    continue
+                if pattern.search(open(path, encoding="utf-8").read()):
+                    offenders.append(os.path.relpath(path, ROOT))
+    assert not offenders, f"private Keras/TensorFlow imports outside tf_agn/_compat.py: {offenders}"

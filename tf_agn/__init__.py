@@ -2,12 +2,14 @@
 
 import os as _os
 
+from tf_agn import _compat
 from tf_agn import _source_layout
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.cross_device_ops import AggregatingAllReduce
 from tf_agn.replicas import replica_weights
 
+_compat.check_versions()
 _source_layout.attach_strategies(_os.path.dirname(__file__))
 
 from tf_agn import callbacks  # noqa: E402

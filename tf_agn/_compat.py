@@ -1,11 +1,13 @@
-"""Every private TensorFlow and Keras API tf_agn's transports rely on.
+"""Every private TensorFlow and Keras API tf_agn relies on, and the
+versions it is tested with.
 
 Private modules change without notice between releases. Reaching them from
 one module means the next release breaks one place, and `tests/test_compat.py`
 checks each name below, so that the break is a clear test failure rather
-than a wrong number in training.
+than a wrong number in training. Importing tf_agn under a TensorFlow or
+Keras outside `TESTED_VERSIONS` warns once (`check_versions`).
 
-What we need, and why:
+What we need from TensorFlow, and why:
 
 - `cross_device_utils.CollectiveKeys` and `CollectiveReplicaLauncher`: the
   group and instance keys, ordering tokens (which keep NCCL launches in one
@@ -24,12 +26,46 @@ What we need, and why:
   `MultiWorkerMirroredStrategy` keeps its all-reduce; there is no public
   argument to give it another (`replace_cross_device_ops`), nor to read it
   (`cross_device_ops`, for benchmarks that compare against it).
+- `ps_values.PerWorkerVariable`, its call-time handle capture, and
+  `ops.get_default_graph().capture_call_time_value`: worker-local variables
+  whose reads and writes keep their program order (`ordered_per_worker`).
+
+What we need from Keras, and why:
+
+- `BaseOptimizer._backend_update_step`, `_apply_weight_decay` and
+  `_clip_gradients`, the backend-agnostic versions: they update each
+  variable in the context they are called in. Keras' TensorFlow optimizer
+  overrides them to all-reduce and then update every replica through
+  `merge_call`; tf_agn communicates by itself and updates each replica's
+  copy in replica context, which is what lets NONE steps stay local and
+  `steps_per_execution > 1` work (`update_step_in_place`,
+  `apply_weight_decay_in_place`, `clip_gradients_in_place`).
+- `BaseOptimizer.add_variable_from_reference`: Keras' TensorFlow
+  optimizer colocates its slots with their weights through the strategy,
+  which `ParameterServerStrategy` refuses for worker-local weights
+  (`slots_created_plainly`).
+- `LossFunctionWrapper` and `CompileMetrics`: the loss and metrics objects
+  `keras.Model.compile` builds from what users pass, for `DecoupledModel`,
+  which compiles like a Keras model but is not one.
 """
 
+import contextlib
+import warnings
+
+import keras
+from keras.src.losses.losses import LossFunctionWrapper  # noqa: F401
+from keras.src.optimizers import base_optimizer as _keras_base_optimizer
+from keras.src.trainers.compile_utils import CompileMetrics  # noqa: F401
+import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
 from tensorflow.python.distribute import cross_device_utils as _tf_cross_device_utils
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
+from tensorflow.python.distribute import ps_values as _tf_ps_values
 from tensorflow.python.distribute import values as _tf_values
+from tensorflow.python.framework import ops as _tf_framework_ops
+
+# (TensorFlow, Keras) releases CI runs: `setup.py` declares the same range.
+TESTED_VERSIONS = {"tensorflow": ("2.21", "2.22"), "keras": ("3.15", "3.16")}
 
 CollectiveKeys = _tf_cross_device_utils.CollectiveKeys
 CollectiveReplicaLauncher = _tf_cross_device_utils.CollectiveReplicaLauncher
@@ -68,3 +104,142 @@ def replace_cross_device_ops(extended, ops):
     Host-tensor reductions keep TensorFlow's ops."""
     cross_device_ops(extended)  # raises if TensorFlow moved them
     extended._cross_device_ops = ops
+
+
+class _OrderedPerWorkerVariable(_tf_ps_values.PerWorkerVariable):
+    """A `PerWorkerVariable` whose handle is captured once per function.
+
+    TensorFlow 2.21 captures a per-worker variable's handle anew at every
+    use in a traced function, so automatic control dependencies see
+    unrelated resources and may reorder a read before an earlier write
+    (TensorFlow's own docstring lists this, b/286052052). One capture per
+    variable restores the ordering every other variable has.
+    """
+
+    @property
+    def handle(self):
+        if tf.executing_eagerly():
+            return self._coordinator_instance.handle
+        self._maybe_create_per_worker_vars()
+        closure, spec = self.handle_call_time_value()
+        return _tf_framework_ops.get_default_graph().capture_call_time_value(
+            closure, spec, key=("tf_agn_per_worker", id(self))
+        )
+
+
+def ordered_per_worker(variable):
+    """Makes a `PerWorkerVariable` keep its program order in functions.
+
+    The strategy builds the variable; only how a function captures its
+    handle changes, so the class is swapped in place rather than the
+    variable rebuilt.
+
+    Args:
+        variable: a variable `ParameterServerStrategy` created with
+            `per_worker_variable=True`.
+
+    Returns:
+        `variable`, ordered.
+
+    Raises:
+        RuntimeError: if this TensorFlow made it something else.
+    """
+    if not isinstance(variable, _tf_ps_values.PerWorkerVariable):
+        raise RuntimeError(
+            f"Expected TensorFlow's PerWorkerVariable, got {type(variable).__name__}: "
+            "this TensorFlow changed per-worker variables. Use a tested version."
+        )
+    variable.__class__ = _OrderedPerWorkerVariable
+    # TensorFlow leaves it None for per-worker variables; Keras optimizers
+    # key their state by it.
+    variable._unique_id = f"per_worker_{id(variable)}"
+    return variable
+
+
+def update_step_in_place(optimizer, grads, variables, learning_rate):
+    """Runs `optimizer`'s update rule on `variables` in the current context,
+    without the all-reduce and `merge_call` of Keras' TensorFlow optimizer."""
+    _keras_base_optimizer.BaseOptimizer._backend_update_step(
+        optimizer, grads, variables, learning_rate
+    )
+
+
+def apply_weight_decay_in_place(optimizer, variables):
+    """Applies `optimizer`'s weight decay to `variables` in the current
+    context (each replica's own copy, in replica context)."""
+    _keras_base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
+
+
+def clip_gradients_in_place(optimizer, grads):
+    """Clips `grads` by `optimizer`'s `clipnorm`, `global_clipnorm` and
+    `clipvalue`, as Keras' base optimizer does."""
+    return _keras_base_optimizer.BaseOptimizer._clip_gradients(optimizer, grads)
+
+
+@contextlib.contextmanager
+def slots_created_plainly(optimizer):
+    """While active, `optimizer` creates its slots without asking its
+    strategy to colocate them with their weights.
+
+    Args:
+        optimizer: a Keras optimizer, about to be built on worker-local
+            weights.
+
+    Yields:
+        Nothing.
+    """
+    plain = _keras_base_optimizer.BaseOptimizer.add_variable_from_reference
+    optimizer.add_variable_from_reference = lambda *args, **kwargs: plain(
+        optimizer, *args, **kwargs
+    )
+    try:
+        yield
+    finally:
+        del optimizer.add_variable_from_reference
+
+
+def _minor(version):
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+def untested_versions(versions=None):
+    """The installed packages outside `TESTED_VERSIONS`.
+
+    Args:
+        versions: `{"tensorflow": "2.21.0", "keras": "3.15.1"}`; by default
+            the installed ones.
+
+    Returns:
+        A list of `"name version"` strings, empty when all are tested.
+    """
+    if versions is None:
+        versions = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    untested = []
+    for name, (low, high) in TESTED_VERSIONS.items():
+        try:
+            minor = _minor(versions[name])
+        except ValueError:
+            minor = None
+        if minor is None or not _minor(low) <= minor < _minor(high):
+            untested.append(f"{name} {versions[name]}")
+    return untested
+
+
+def check_versions(versions=None):
+    """Warns once if TensorFlow or Keras is outside `TESTED_VERSIONS`.
+
+    Args:
+        versions: as for `untested_versions`.
+    """
+    untested = untested_versions(versions)
+    if untested:
+        tested = ", ".join(
+            f"{name} >={low},<{high}" for name, (low, high) in TESTED_VERSIONS.items()
+        )
+        warnings.warn(
+            f"tf_agn is tested with {tested}; this process has "
+            f"{', '.join(untested)}. tf_agn uses private TensorFlow and Keras "
+            "API (tf_agn/_compat.py), which may have changed.",
+            RuntimeWarning,
+            stacklevel=2,
+        )

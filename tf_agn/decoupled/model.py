@@ -2,11 +2,10 @@
 gradients (ADL), and its DDG and BP baselines on the same machinery."""
 
 import keras
-from keras.src.losses.losses import LossFunctionWrapper
-from keras.src.trainers.compile_utils import CompileMetrics
 import numpy as np
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn.decoupled.pipeline import Pipeline
 from tf_agn.decoupled.schedule import Schedule
 
@@ -154,10 +153,10 @@ class DecoupledModel:
         ]
         loss = keras.losses.get(loss)
         self.loss = (
-            loss if isinstance(loss, keras.losses.Loss) else LossFunctionWrapper(loss)
+            loss if isinstance(loss, keras.losses.Loss) else _compat.LossFunctionWrapper(loss)
         )
         self._loss_tracker = keras.metrics.Mean(name="loss")
-        self._compiled_metrics = CompileMetrics(metrics, None) if metrics else None
+        self._compiled_metrics = _compat.CompileMetrics(metrics, None) if metrics else None
         self._pipeline = None
         self._predict_function = None
 

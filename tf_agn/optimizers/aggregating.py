@@ -4,9 +4,9 @@ gradients are combined."""
 import functools
 
 import keras
-from keras.src.optimizers import base_optimizer
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
@@ -88,16 +88,14 @@ class Aggregating:
     def _apply_weight_decay(self, variables):
         # The backend-agnostic version updates each replica's copy in replica
         # context, without the `merge_call` of Keras' TF backend.
-        base_optimizer.BaseOptimizer._apply_weight_decay(self, variables)
+        _compat.apply_weight_decay_in_place(self, variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         grads = aggregate_gradients(
             grads, self.resolved_aggregation, self._communication
         )
-        grads = base_optimizer.BaseOptimizer._clip_gradients(self, grads)
-        base_optimizer.BaseOptimizer._backend_update_step(
-            self, grads, trainable_variables, learning_rate
-        )
+        grads = _compat.clip_gradients_in_place(self, grads)
+        _compat.update_step_in_place(self, grads, trainable_variables, learning_rate)
 
     def get_config(self):
         config = super().get_config()

@@ -2,8 +2,6 @@
 gradients are combined."""
 
 import keras
-from keras.src.optimizers import optimizer as keras_optimizer
-from keras.src.saving import serialization_lib
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers.aggregating import Aggregating
@@ -11,7 +9,7 @@ from tf_agn.optimizers.aggregating import aggregating_class
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
-class DistributedOptimizer(keras_optimizer.Optimizer):
+class DistributedOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so replicas combine gradients by `aggregation`.
 
     The wrapped optimizer keeps its own update rule, state and
@@ -146,14 +144,14 @@ class DistributedOptimizer(keras_optimizer.Optimizer):
         method = self.inner_optimizer.aggregation_method
         return {
             "name": self.name,
-            "optimizer": serialization_lib.serialize_keras_object(plain),
+            "optimizer": keras.saving.serialize_keras_object(plain),
             "aggregation": None if method is None else method.value,
         }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["optimizer"] = serialization_lib.deserialize_keras_object(
+        config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)

@@ -3,11 +3,9 @@ machinery."""
 
 import keras
 from keras import ops
-from keras.src.optimizers import base_optimizer
-from keras.src.optimizers.schedules import learning_rate_schedule
-from keras.src.saving import serialization_lib
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
@@ -248,7 +246,7 @@ class WindowedOptimizer(DistributedOptimizer):
             deltas: the (combined, scaled) commit, one tensor per center.
             centers: the center variables, on any device.
         """
-        base_optimizer.BaseOptimizer._backend_update_step(
+        _compat.update_step_in_place(
             self.outer_optimizer,
             [ops.negative(delta) for delta in deltas],
             centers,
@@ -308,7 +306,7 @@ class WindowedOptimizer(DistributedOptimizer):
                     if self.commit_aggregation is None
                     else self.commit_aggregation.value
                 ),
-                "outer_optimizer": serialization_lib.serialize_keras_object(
+                "outer_optimizer": keras.saving.serialize_keras_object(
                     self.outer_optimizer
                 ),
                 "reset_inner_state": self.reset_inner_state,
@@ -319,7 +317,7 @@ class WindowedOptimizer(DistributedOptimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["outer_optimizer"] = serialization_lib.deserialize_keras_object(
+        config["outer_optimizer"] = keras.saving.deserialize_keras_object(
             config["outer_optimizer"], custom_objects=custom_objects
         )
         return super().from_config(config, custom_objects=custom_objects)
@@ -353,7 +351,7 @@ def _check_outer_optimizer(outer_optimizer):
             f"{outer_optimizer!r}."
         )
     rate = outer_optimizer._learning_rate
-    if isinstance(rate, learning_rate_schedule.LearningRateSchedule):
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return
     if callable(rate):
         return
