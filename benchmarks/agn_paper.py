@@ -340,7 +340,7 @@ def simulated_run(data, algorithm, num_workers, local_steps):
     simulation = tf_agn.strategies.simulate(
         model,
         # Each worker its own seeded order of the data.
-        lambda worker: data.dataset(seed=FLAGS.seed * 1000 + worker),
+        lambda context: data.dataset(seed=FLAGS.seed * 1000 + context.input_pipeline_id),
         num_workers,
         windows,
         order="round_robin",
@@ -498,7 +498,7 @@ def rate_run(spec):
             )
         history = tf_agn.strategies.fit(
             model,
-            data.dataset,  # unseeded: every worker its own order
+            lambda context: data.dataset(),  # unseeded: every worker its own order
             epochs=3,
             steps_per_epoch=spec["windows"] * spec["local_steps"],
             callbacks=[timer],
@@ -544,7 +544,7 @@ def divergence_run(spec):
             curves = Curves(data, model, num_workers, windows)
             history = tf_agn.strategies.fit(
                 model,
-                data.dataset,  # unseeded: every worker its own order
+                lambda context: data.dataset(),  # unseeded: every worker its own order
                 epochs=1,
                 steps_per_epoch=windows * local_steps,
                 callbacks=[

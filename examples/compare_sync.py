@@ -120,7 +120,7 @@ def configurations():
         return lambda: tf_agn.optimizers.AGN(
             keras.optimizers.Adam(FLAGS.adam_learning_rate),
             local_steps=steps,
-            aggregation=aggregation,
+            aggregation_method=aggregation,
             outer_optimizer=keras.optimizers.SGD(FLAGS.outer_learning_rate),
             normalize=normalize,
         )

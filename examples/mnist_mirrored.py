@@ -97,7 +97,7 @@ def build_optimizer():
     return tf_agn.optimizers.AGN(
         inner_class(learning_rate=FLAGS.learning_rate or default_learning_rate),
         local_steps=FLAGS.local_steps,
-        aggregation=FLAGS.aggregation,
+        aggregation_method=FLAGS.aggregation,
         outer_optimizer=keras.optimizers.SGD(
             learning_rate=FLAGS.outer_learning_rate,
             momentum=FLAGS.outer_momentum,

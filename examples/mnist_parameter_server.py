@@ -78,7 +78,7 @@ def make_optimizer():
     if FLAGS.algorithm in ELASTIC:
         return algorithm(
             local_steps=FLAGS.local_steps,
-            learning_rate=FLAGS.learning_rate or 0.01,
+            elastic_learning_rate=FLAGS.learning_rate or 0.01,
         )
     return algorithm(
         keras.optimizers.Adam(FLAGS.learning_rate or 1e-3),
@@ -94,8 +94,9 @@ def train(strategy):
             y_train[: FLAGS.train_samples],
         )
 
-    def dataset_fn():
+    def dataset_fn(input_context):
         # Unseeded: each worker sees its own order.
+        del input_context
         return (
             tf.data.Dataset.from_tensor_slices((x_train, y_train))
             .shuffle(len(x_train))

@@ -1,5 +1,7 @@
 """`simulate`: asynchronous training, deterministically, in one process."""
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -10,6 +12,28 @@ from tf_agn.strategies.worker import Worker
 from tf_agn.strategies.worker import window_function
 
 ORDERS = ("round_robin", "random")
+
+
+class WorkerInputContext(tf.distribute.InputContext):
+    """The `tf.distribute.InputContext` of one virtual worker: pipeline
+    `input_pipeline_id` of `num_input_pipelines` (the workers).
+
+    Where an int is expected (`range`, indexing, `int()`), it still stands
+    for the worker's index, `simulate`'s former convention, after a
+    `DeprecationWarning`.
+    """
+
+    def __index__(self):
+        warnings.warn(
+            "simulate's dataset_fn receives a tf.distribute.InputContext; "
+            "using it as the worker index is deprecated: read "
+            "`input_context.input_pipeline_id`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.input_pipeline_id
+
+    __int__ = __index__
 
 
 class Simulation:
@@ -61,8 +85,12 @@ def simulate(
         model: a built Keras model compiled with a
             `tf_agn.optimizers.WindowedOptimizer`, without a distribution
             strategy. Its weights are the center and hold the result.
-        dataset_fn: `fn(worker_index) -> tf.data.Dataset` of `(x, y)`
-            batches, long enough for that worker's windows.
+        dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
+            batches, long enough for that worker's windows, as for
+            `tf_agn.strategies.fit`; here `input_context` is a
+            `WorkerInputContext`, and virtual worker i is pipeline i of n
+            (`input_context.input_pipeline_id`), so each can seed or shard
+            its own data.
         num_workers: n, the number of virtual workers.
         num_windows: the number of commits to simulate.
         order: "round_robin", "random" (seeded by `seed`), or an explicit
@@ -85,7 +113,18 @@ def simulate(
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an int >= 1; received {num_workers!r}.")
     commit_order = _commit_order(order, num_workers, num_windows, seed)
-    training.build_compiled_metrics(model, lambda: dataset_fn(0))
+    datasets = [
+        training.dataset_from(
+            dataset_fn,
+            WorkerInputContext(
+                num_input_pipelines=num_workers,
+                input_pipeline_id=index,
+                num_replicas_in_sync=1,
+            ),
+        )
+        for index in range(num_workers)
+    ]
+    training.build_compiled_metrics(model, datasets[0])
     strategy = tf.distribute.get_strategy()
     server = CommitServer(optimizer, model.trainable_variables, num_windows)
     workers = [Worker(model, optimizer, server, strategy) for _ in range(num_workers)]
@@ -94,7 +133,7 @@ def simulate(
         window_function(worker, optimizer.local_steps, pull_first=False)
         for worker in workers
     ]
-    iterators = [iter(dataset_fn(index)) for index in range(num_workers)]
+    iterators = [iter(dataset) for dataset in datasets]
     simulation = Simulation(server, workers)
     for pull in pulls:
         pull()

@@ -1,7 +1,9 @@
 """`fit`: asynchronous parameter-server training of a Keras 3 model."""
 
 import collections
+import inspect
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -92,9 +94,13 @@ def fit(
 
     Args:
         model: a compiled Keras model, created under the strategy's scope.
-        dataset_fn: `fn() -> tf.data.Dataset` of `(x, y)` batches,
-            repeated; every worker builds its own (shuffle it unseeded, or
-            the workers see the same order).
+        dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
+            batches, repeated, TensorFlow's convention: every worker builds
+            its own, given a `tf.distribute.InputContext`. As under
+            TensorFlow's `ParameterServerStrategy`, workers are not in
+            step, so every worker is pipeline 0 of 1: shuffle unseeded, or
+            the workers see the same order. (A `fn()` without argument is
+            the deprecated former convention.)
         epochs: the number of epochs.
         steps_per_epoch: local steps per epoch, over all workers; an epoch
             is `ceil(steps_per_epoch / local_steps)` windows.
@@ -142,11 +148,18 @@ def fit(
             reject_non_finite,
         )
         worker = Worker(model, optimizer, server, strategy)
-    build_compiled_metrics(model, dataset_fn)
+    input_context = tf.distribute.InputContext(
+        num_input_pipelines=1,
+        input_pipeline_id=0,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
+    build_compiled_metrics(model, dataset_from(dataset_fn, input_context))
     manager = _checkpoint_manager(model, server, checkpoint_dir)
     applied = server.applied_windows.numpy().astype(bool)
 
-    per_worker_dataset = coordinator.create_per_worker_dataset(dataset_fn)
+    per_worker_dataset = coordinator.create_per_worker_dataset(
+        lambda: dataset_from(dataset_fn, input_context)
+    )
     iterator = iter(per_worker_dataset)
     run_window = window_function(worker, local_steps)
 
@@ -173,19 +186,13 @@ def fit(
         losses = []
         chunk = checkpoint_every or len(pending)
         for start in range(0, len(pending), chunk):
-            scheduled = [
-                (
-                    window,
-                    coordinator.schedule(
-                        run_window,
-                        args=(iterator, tf.constant(window, tf.int64)),
-                    ),
-                )
-                for window in pending[start : start + chunk]
-            ]
+            schedule = lambda window: coordinator.schedule(  # noqa: E731
+                run_window, args=(iterator, tf.constant(window, tf.int64))
+            )
+            scheduled = [(w, schedule(w)) for w in pending[start : start + chunk]]
             for window, result in scheduled:
                 callback_list.on_train_batch_begin(window - first)
-                loss, window_staleness, outcome = result.fetch()
+                loss, window_staleness, outcome = _fetch(result, lambda: schedule(window))
                 if outcome == APPLIED:
                     staleness.record(window_staleness)
                     epoch_staleness.record(window_staleness)
@@ -213,6 +220,25 @@ def fit(
     history.staleness = staleness
     history.server = server
     return history
+
+
+def _fetch(result, reschedule, attempts=3):
+    """A window's `(loss, staleness, outcome)`, surviving its worker's death.
+
+    A window's return values stay on the worker that ran it until fetched.
+    If that worker dies after the window finished, TensorFlow does not run
+    it again, and the fetch fails although the commit is on the servers.
+    The window is then run again elsewhere: the server answers DUPLICATE
+    (never applying it twice) with the rerun's loss, and only that
+    commit's staleness sample is lost.
+    """
+    for attempt in range(attempts):
+        try:
+            return result.fetch()
+        except tf.errors.UnavailableError:
+            if attempt == attempts - 1:
+                raise
+            result = reschedule()
 
 
 def evaluate(model, data):
@@ -282,13 +308,42 @@ def check_optimizer(model):
     return optimizer
 
 
-def build_compiled_metrics(model, dataset_fn):
-    """Builds the compiled loss and metrics eagerly, from one batch.
+def dataset_from(dataset_fn, input_context):
+    """Calls a user's `dataset_fn(input_context)`.
+
+    Args:
+        dataset_fn: `fn(input_context) -> tf.data.Dataset`; a `fn()` without
+            argument, tf_agn's former convention, is called without one,
+            after a `DeprecationWarning`.
+        input_context: the `tf.distribute.InputContext` to pass.
+
+    Returns:
+        What `dataset_fn` returns.
+    """
+    try:
+        parameters = inspect.signature(dataset_fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return dataset_fn(input_context)
+    if not any(p.kind is not p.KEYWORD_ONLY and p.kind is not p.VAR_KEYWORD for p in parameters):
+        warnings.warn(
+            "A dataset_fn without argument is deprecated and will not be "
+            "called in the next release; take TensorFlow's "
+            "`dataset_fn(input_context)` (a tf.distribute.InputContext).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return dataset_fn()
+    return dataset_fn(input_context)
+
+
+def build_compiled_metrics(model, dataset):
+    """Builds the compiled loss and metrics eagerly, from one batch of
+    `dataset`.
 
     Workers use the loss inside traced functions, where variables cannot be
     created.
     """
-    x, y = next(iter(dataset_fn()))[:2]
+    x, y = next(iter(dataset))[:2]
     with model.distribute_strategy.scope():
         y_pred = model(x, training=False)
         model._compile_loss(y, y_pred)

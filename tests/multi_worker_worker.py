@@ -60,7 +60,7 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
-from tf_agn.replicas import tf_agn_ops  # noqa: E402
+from tf_agn.replica_aggregation import tf_agn_ops  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
 from multi_worker_data import SHAPES  # noqa: E402
 from multi_worker_data import replica_arrays  # noqa: E402

@@ -27,8 +27,9 @@ LOCAL_STEPS = 3
 NUM_WINDOWS = 4
 
 
-def sequence_batches():
+def sequence_batches(input_context):
     """A fixed sequence of batches, the same for every worker."""
+    del input_context
     rng = np.random.default_rng(7)
     x = rng.normal(size=(LOCAL_STEPS * NUM_WINDOWS * 2, 4, 5)).astype(np.float32)
     y = rng.normal(size=(LOCAL_STEPS * NUM_WINDOWS * 2, 4, 2)).astype(np.float32)
@@ -41,7 +42,7 @@ def regression_data(seed=0):
 
 
 def repeated(x, y):
-    return lambda: tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+    return lambda input_context: tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
 
 
 def linear_model(optimizer):
@@ -65,7 +66,7 @@ def one_worker_against_simulator(num_ps="1"):
     reference = linear_model(agn())
     simulation = tf_agn.strategies.simulate(
         reference,
-        lambda worker: sequence_batches(),
+        sequence_batches,
         num_workers=1,
         num_windows=NUM_WINDOWS,
     )

@@ -98,7 +98,7 @@ def train_linear(method, local_steps, steps, normalize=True, strategy=None):
             AGN(
                 keras.optimizers.SGD(LEARNING_RATE),
                 local_steps=local_steps,
-                aggregation=method,
+                aggregation_method=method,
                 normalize=normalize,
             ),
             loss="mse",
@@ -206,7 +206,7 @@ def test_config_round_trip():
     optimizer = AGN(
         keras.optimizers.Adam(1e-3),
         local_steps=8,
-        aggregation="sum",
+        aggregation_method="sum",
         outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True),
         normalize=False,
         reset_inner_state=True,
@@ -245,7 +245,8 @@ def test_bad_optimizers_and_outer_learning_rate():
             )
 
 
-def test_validation_mid_window_uses_the_center():
+@pytest.mark.parametrize("algorithm", [AGN, tf_agn.optimizers.DOWNPOUR, tf_agn.optimizers.AEASGD])
+def test_validation_mid_window_uses_the_center(algorithm):
     # λ = 4 and 2 steps: validation runs mid-window, before any commit, so
     # the center is still the initial weights.
     x, y = linear_data(2)
@@ -257,7 +258,7 @@ def test_validation_mid_window_uses_the_center():
         with tf_agn.strategies.mirrored(DEVICES).scope():
             model = linear_model(kernel, bias)
             model.compile(
-                AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse"
+                algorithm(keras.optimizers.SGD(LEARNING_RATE), local_steps=4), loss="mse"
             )
         history = model.fit(
             x,
@@ -363,7 +364,7 @@ def test_steps_per_execution_under_mirrored_strategy(method):
     with tf_agn.strategies.mirrored(DEVICES).scope():
         model = linear_model(*initial_linear())
         model.compile(
-            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3, aggregation=method),
+            AGN(keras.optimizers.SGD(LEARNING_RATE), local_steps=3, aggregation_method=method),
             loss="mse",
             steps_per_execution=2,
         )
@@ -406,7 +407,7 @@ def test_synchronous_easgd_moves_replicas_and_center_symmetrically():
                 keras.optimizers.SGD(LEARNING_RATE),
                 local_steps=local_steps,
                 rho=5.0,
-                learning_rate=moving_rate / 5.0,
+                elastic_learning_rate=moving_rate / 5.0,
             ),
             loss="mse",
         )

@@ -54,6 +54,7 @@ def test_cross_device_ops_reads_and_replaces_a_strategys_ops():
     one_device = tf.distribute.OneDeviceStrategy(DEVICES[0])
     with pytest.raises(RuntimeError, match="keeps no CrossDeviceOps"):
         _compat.cross_device_ops(one_device.extended)
+    assert _compat.cross_device_ops(one_device.extended, required=False) is None
 
 
 # Keras ------------------------------------------------------------------------

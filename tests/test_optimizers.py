@@ -161,7 +161,7 @@ def test_save_and_load_continue_training_identically(tmp_path):
     def compiled():
         model = build_mlp(initial_params())
         model.compile(
-            DistributedOptimizer(keras.optimizers.Adam(0.01), aggregation="sum"),
+            DistributedOptimizer(keras.optimizers.Adam(0.01), aggregation_method="sum"),
             loss="mse",
         )
         return model
@@ -273,7 +273,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="average.*Allowed: none, sum, mean, only_first_replica"):
         tf_agn.optimizers.Adam(aggregation_method="average")
     with pytest.raises(ValueError, match="Allowed"):
-        DistributedOptimizer(keras.optimizers.SGD(), aggregation="max")
+        DistributedOptimizer(keras.optimizers.SGD(), aggregation_method="max")
     with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
         DistributedOptimizer(tf.Module())
     with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from scripts import run_python
 
@@ -67,6 +68,30 @@ def test_a_killed_worker_loses_no_commit():
     assert not result["killed_worker_alive"]
 
 
+class _Result:
+    """A scheduled window's result, as `ClusterCoordinator.schedule` gives."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def fetch(self):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+def test_a_result_lost_with_its_worker_is_fetched_from_a_rerun():
+    from tf_agn.strategies.training import _fetch
+
+    lost = tf.errors.UnavailableError(None, None, "Connection refused")
+    reruns = iter([_Result(lost), _Result((0.5, 0, 2))])
+    assert _fetch(_Result(lost), lambda: next(reruns)) == (0.5, 0, 2)
+    with pytest.raises(tf.errors.UnavailableError):
+        _fetch(_Result(lost), lambda: _Result(lost))
+    with pytest.raises(tf.errors.InvalidArgumentError):  # other errors are not retried
+        _fetch(_Result(tf.errors.InvalidArgumentError(None, None, "bad")), None)
+
+
 @pytest.mark.slow
 def test_restart_after_parameter_server_failure_resumes_from_checkpoint(tmp_path):
     _, first = run_scenario("checkpointed_run", tmp_path, 10, returncode=1)
@@ -96,4 +121,4 @@ def test_fit_refuses_other_strategies():
     with pytest.raises(
         ValueError, match="ParameterServerStrategy; the model was created under"
     ):
-        tf_agn.strategies.fit(model, lambda: None, steps_per_epoch=3)
+        tf_agn.strategies.fit(model, lambda context: None, steps_per_epoch=3)

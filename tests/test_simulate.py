@@ -29,8 +29,8 @@ def batches(worker, count):
     return x, y
 
 
-def dataset_fn(worker):
-    return tf.data.Dataset.from_tensor_slices(batches(worker, 40))
+def dataset_fn(input_context):
+    return tf.data.Dataset.from_tensor_slices(batches(input_context.input_pipeline_id, 40))
 
 
 def linear_model(optimizer):
@@ -224,13 +224,13 @@ def test_dynsgd_scales_by_one_over_staleness_plus_one():
     [
         (
             lambda: tf_agn.optimizers.AEASGD(
-                local_steps=LOCAL_STEPS, rho=5.0, learning_rate=LEARNING_RATE
+                local_steps=LOCAL_STEPS, rho=5.0, elastic_learning_rate=LEARNING_RATE
             ),
             0.0,
         ),
         (
             lambda: tf_agn.optimizers.EAMSGD(
-                local_steps=LOCAL_STEPS, rho=5.0, learning_rate=LEARNING_RATE
+                local_steps=LOCAL_STEPS, rho=5.0, elastic_learning_rate=LEARNING_RATE
             ),
             0.9,
         ),
@@ -250,7 +250,8 @@ def test_elastic_methods_move_worker_and_center_symmetrically(make_optimizer, mo
 
 
 def test_a_non_finite_commit_is_rejected_and_counted():
-    def poisoned(worker):
+    def poisoned(input_context):
+        worker = input_context.input_pipeline_id
         x, y = batches(worker, 40)
         if worker == 1:
             x[0, 0, 0] = np.nan  # worker 1's first window
@@ -275,8 +276,8 @@ def test_bad_orders_and_models_are_refused():
         simulate(linear_model(sgd()), dataset_fn, 2, 3)
     with pytest.raises(ValueError, match="local_steps must be an int >= 1; received 0"):
         tf_agn.optimizers.DOWNPOUR(local_steps=0)
-    with pytest.raises(ValueError, match="rho \\* learning_rate must be in"):
-        tf_agn.optimizers.AEASGD(rho=200.0, learning_rate=0.01)
+    with pytest.raises(ValueError, match="rho \\* elastic_learning_rate must be in"):
+        tf_agn.optimizers.AEASGD(rho=200.0, elastic_learning_rate=0.01)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +287,7 @@ def test_bad_orders_and_models_are_refused():
         lambda: tf_agn.optimizers.AGN(sgd(), local_steps=4, staleness_scaling=True),
         lambda: tf_agn.optimizers.DOWNPOUR(sgd(), local_steps=3),
         lambda: tf_agn.optimizers.DynSGD(local_steps=2),
-        lambda: tf_agn.optimizers.AEASGD(local_steps=5, rho=2.0, learning_rate=0.1),
+        lambda: tf_agn.optimizers.AEASGD(local_steps=5, rho=2.0, elastic_learning_rate=0.1),
         lambda: tf_agn.optimizers.EAMSGD(local_steps=6),
     ],
 )

@@ -81,14 +81,21 @@ def next_instance_key(launcher):
     return launcher._next_instance_key()
 
 
-def cross_device_ops(extended):
+def cross_device_ops(extended, required=True):
     """The `CrossDeviceOps` a strategy's `extended` reduces with.
 
+    Args:
+        extended: a strategy's `extended`.
+        required: whether to raise, rather than return None, for a strategy
+            without cross-device ops (`OneDeviceStrategy`, the default one).
+
     Raises:
-        RuntimeError: if this TensorFlow keeps them elsewhere.
+        RuntimeError: if `required` and this TensorFlow keeps them elsewhere.
     """
     ops = getattr(extended, "_cross_device_ops", None)
     if not isinstance(ops, _tf_cross_device_ops.CrossDeviceOps):
+        if not required:
+            return None
         raise RuntimeError(
             f"This TensorFlow's {type(extended).__name__} keeps no "
             "CrossDeviceOps in `_cross_device_ops`; tf_agn cannot read or "

@@ -2,7 +2,7 @@
 
 import keras
 
-from tf_agn.optimizers.agn import AGN
+from tf_agn.optimizers.windowed import WindowedOptimizer
 
 
 def _unwrap(optimizer, cls):
@@ -13,7 +13,10 @@ def _unwrap(optimizer, cls):
 
 
 class EvaluateAtCenter(keras.callbacks.Callback):
-    """Evaluates and predicts with AGN's center weights, not replica copies.
+    """Evaluates and predicts with the center weights, not replica copies.
+
+    For every windowed optimizer (`AGN`, `DOWNPOUR`, `DynSGD`, `AEASGD`,
+    `EAMSGD`, or your own `WindowedOptimizer`).
 
     Mid-window, every replica's copy of the weights holds its own local
     exploration. This callback swaps the center θ_c into the model before
@@ -32,21 +35,22 @@ class EvaluateAtCenter(keras.callbacks.Callback):
 
     Raises:
         ValueError: when the model's optimizer is not (and does not wrap)
-            `tf_agn.optimizers.AGN`.
+            a `tf_agn.optimizers.WindowedOptimizer`.
     """
 
-    def _agn(self):
-        agn = _unwrap(self.model.optimizer, AGN)
-        if agn is None:
+    def _windowed(self):
+        windowed = _unwrap(self.model.optimizer, WindowedOptimizer)
+        if windowed is None:
             raise ValueError(
-                "EvaluateAtCenter needs a model compiled with "
-                "tf_agn.optimizers.AGN; its optimizer is "
+                "EvaluateAtCenter needs a model compiled with a "
+                "tf_agn.optimizers.WindowedOptimizer (AGN, DOWNPOUR, DynSGD, "
+                "AEASGD, EAMSGD); its optimizer is "
                 f"{type(self.model.optimizer).__name__}."
             )
-        return agn
+        return windowed
 
     def _swap(self, logs=None):
-        self._agn().swap_weights_and_center()
+        self._windowed().swap_weights_and_center()
 
     on_test_begin = on_test_end = _swap
     on_predict_begin = on_predict_end = _swap

@@ -10,8 +10,8 @@ from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
-from tf_agn.replicas import aggregate_gradients
-from tf_agn.replicas import default_aggregation
+from tf_agn.replica_aggregation import aggregate_gradients
+from tf_agn.replica_aggregation import default_aggregation
 
 
 class Aggregating:

@@ -20,7 +20,7 @@ class AGN(WindowedOptimizer):
     commits θ − θ_c and diverges as workers are added).
 
     Synchronously (`MirroredStrategy`), the replicas' Δ_r are combined with
-    `aggregation` (MEAN by default) in one packed reduction per window and
+    `aggregation_method` (MEAN by default) in one packed reduction per window and
     an outer optimizer applies the result; with outer Nesterov momentum this
     is DiLoCo (Douillard et al., 2023). With λ = 1, an SGD(η) inner
     optimizer, the default outer optimizer and MEAN, it is exactly
@@ -55,7 +55,7 @@ class AGN(WindowedOptimizer):
         optimizer: the inner Keras optimizer; default `Adam()`, the paper's.
         local_steps: λ, the local steps per window; default 12 (the paper's
             heuristic is λ ≈ (workers + layers) / 2).
-        aggregation: how replicas' Δ_r are combined synchronously; default
+        aggregation_method: how replicas' Δ_r are combined synchronously; default
             MEAN.
         outer_optimizer: applies the combined Δ to the center; default
             `SGD(1.0)`.
@@ -70,14 +70,14 @@ class AGN(WindowedOptimizer):
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
             optimizer.
         ValueError: if `local_steps` is not an int >= 1, the outer learning
-            rate is not positive, or `aggregation` is unknown.
+            rate is not positive, or `aggregation_method` is unknown.
     """
 
     def __init__(
         self,
         optimizer=None,
         local_steps=12,
-        aggregation="mean",
+        aggregation_method="mean",
         outer_optimizer=None,
         normalize=True,
         reset_inner_state=False,
@@ -88,7 +88,7 @@ class AGN(WindowedOptimizer):
         super().__init__(
             optimizer if optimizer is not None else keras.optimizers.Adam(),
             local_steps,
-            aggregation=aggregation,
+            aggregation_method=aggregation_method,
             outer_optimizer=outer_optimizer,
             reset_inner_state=reset_inner_state,
             name=name,

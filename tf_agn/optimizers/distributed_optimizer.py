@@ -4,6 +4,7 @@ gradients are combined."""
 import keras
 
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
 
@@ -27,7 +28,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         model = make_model()
         model.compile(
             optimizer=tf_agn.optimizers.DistributedOptimizer(
-                keras.optimizers.Adam(1e-3), aggregation="sum"
+                keras.optimizers.Adam(1e-3), aggregation_method="sum"
             ),
             loss="sparse_categorical_crossentropy",
         )
@@ -41,17 +42,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         optimizer: the `keras.optimizers.Optimizer` to wrap. It is rebuilt
             from its config with the aggregation mixed in, so its class must
             round-trip through `get_config`/`from_config`.
-        aggregation: an `AggregationMethod` or its name; default MEAN. None
-            takes the default of the strategy's `tf_agn.AggregatingAllReduce`.
+        aggregation_method: an `AggregationMethod` or its name; default
+            MEAN. None takes the default of the strategy's
+            `tf_agn.AggregatingAllReduce`. (`aggregation=` is its deprecated
+            former name.)
         name: the wrapper's name.
 
     Raises:
         TypeError: if `optimizer` is not a Keras 3 optimizer.
         ValueError: if `optimizer` is already built, is a
-            `LossScaleOptimizer`, or `aggregation` is unknown.
+            `LossScaleOptimizer`, or `aggregation_method` is unknown.
     """
 
-    def __init__(self, optimizer, aggregation="mean", name=None, **kwargs):
+    def __init__(self, optimizer, aggregation_method="mean", name=None, **kwargs):
+        aggregation_method = renamed_argument(
+            kwargs, "aggregation", "aggregation_method", type(self).__name__,
+            aggregation_method,
+        )  # fmt: skip
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "DistributedOptimizer wraps a keras.optimizers.Optimizer "
@@ -69,12 +76,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 f"Optimizer {optimizer.name!r} is already built. Wrap it "
                 "in DistributedOptimizer before training starts."
             )
-        if aggregation is not None:
-            aggregation = AggregationMethod.parse(aggregation)
+        if aggregation_method is not None:
+            aggregation_method = AggregationMethod.parse(aggregation_method)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._wrapped_class = type(optimizer)
         config = optimizer.get_config()
-        config["aggregation_method"] = aggregation and aggregation.value
+        config["aggregation_method"] = aggregation_method and aggregation_method.value
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
 
     @property
@@ -145,7 +152,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(plain),
-            "aggregation": None if method is None else method.value,
+            "aggregation_method": None if method is None else method.value,
         }
 
     @classmethod

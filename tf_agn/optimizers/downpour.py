@@ -22,7 +22,7 @@ class DOWNPOUR(WindowedOptimizer):
     Args:
         optimizer: the inner Keras optimizer; default `Adam()`.
         local_steps: λ; default 5.
-        aggregation: how replicas' Δ_r are combined synchronously; default
+        aggregation_method: how replicas' Δ_r are combined synchronously; default
             SUM.
         outer_optimizer: applies a commit to the center; default
             `SGD(1.0)`.
@@ -32,7 +32,7 @@ class DOWNPOUR(WindowedOptimizer):
 
     Raises:
         TypeError: if an optimizer is not a Keras 3 optimizer.
-        ValueError: if `local_steps` is not an int >= 1 or `aggregation` is
+        ValueError: if `local_steps` is not an int >= 1 or `aggregation_method` is
             unknown.
     """
 
@@ -40,7 +40,7 @@ class DOWNPOUR(WindowedOptimizer):
         self,
         optimizer=None,
         local_steps=5,
-        aggregation="sum",
+        aggregation_method="sum",
         outer_optimizer=None,
         reset_inner_state=False,
         name=None,
@@ -49,7 +49,7 @@ class DOWNPOUR(WindowedOptimizer):
         super().__init__(
             optimizer if optimizer is not None else keras.optimizers.Adam(),
             local_steps,
-            aggregation=aggregation,
+            aggregation_method=aggregation_method,
             outer_optimizer=outer_optimizer,
             reset_inner_state=reset_inner_state,
             name=name,

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.windowed import WindowedOptimizer
 
 
@@ -15,18 +16,20 @@ class AEASGD(WindowedOptimizer):
     E = α(θ − θ_c) with α = ρη, and both sides move towards each other by
     it: θ ← θ − E on the worker, θ_c ← θ_c + E on the server. Between
     exchanges the worker takes ordinary steps with its inner optimizer
-    (SGD(η) by default).
+    (SGD(η) by default). η is `elastic_learning_rate`; `.learning_rate`,
+    as on every wrapping optimizer, is the inner optimizer's.
 
     Synchronously (EASGD) the replicas' E_r are summed onto the center, as
     the paper's synchronous rule θ_c ← θ_c + α Σ_r (θ_r − θ_c).
 
     Args:
-        optimizer: the inner optimizer; default `SGD(learning_rate)`.
+        optimizer: the inner optimizer; default `SGD(elastic_learning_rate)`.
         local_steps: λ, the steps between exchanges; default 32.
         rho: ρ, the elastic strength per unit learning rate; default 5.
-        learning_rate: η, used for α = ρη and for the default inner
-            optimizer; default 0.01 (the AGN paper's runs).
-        aggregation: how replicas' E_r are combined synchronously; default
+        elastic_learning_rate: η, used for α = ρη and for the default
+            inner optimizer; default 0.01 (the AGN paper's runs).
+            (`learning_rate=` is its deprecated former name.)
+        aggregation_method: how replicas' E_r are combined synchronously; default
             SUM.
         outer_optimizer: applies E to the center; default `SGD(1.0)`.
         reset_inner_state: whether the inner optimizer's state is cleared at
@@ -45,33 +48,37 @@ class AEASGD(WindowedOptimizer):
         optimizer=None,
         local_steps=32,
         rho=5.0,
-        learning_rate=0.01,
-        aggregation="sum",
+        elastic_learning_rate=0.01,
+        aggregation_method="sum",
         outer_optimizer=None,
         reset_inner_state=False,
         name=None,
         **kwargs,
     ):
-        moving_rate = float(rho) * float(learning_rate)
+        elastic_learning_rate = renamed_argument(
+            kwargs, "learning_rate", "elastic_learning_rate", type(self).__name__,
+            elastic_learning_rate,
+        )  # fmt: skip
+        moving_rate = float(rho) * float(elastic_learning_rate)
         if not 0 < moving_rate <= 1:
             raise ValueError(
-                "The elastic moving rate α = rho * learning_rate must be in "
-                f"(0, 1]; received rho={rho!r}, learning_rate="
-                f"{learning_rate!r} (α = {moving_rate})."
+                "The elastic moving rate α = rho * elastic_learning_rate must "
+                f"be in (0, 1]; received rho={rho!r}, elastic_learning_rate="
+                f"{elastic_learning_rate!r} (α = {moving_rate})."
             )
         if optimizer is None:
-            optimizer = self._default_inner_optimizer(learning_rate)
+            optimizer = self._default_inner_optimizer(elastic_learning_rate)
         super().__init__(
             optimizer,
             local_steps,
-            aggregation=aggregation,
+            aggregation_method=aggregation_method,
             outer_optimizer=outer_optimizer,
             reset_inner_state=reset_inner_state,
             name=name,
             **kwargs,
         )
         self.rho = float(rho)
-        self.elastic_learning_rate = float(learning_rate)
+        self.elastic_learning_rate = float(elastic_learning_rate)
         self.moving_rate = moving_rate
 
     @staticmethod
@@ -93,7 +100,7 @@ class AEASGD(WindowedOptimizer):
     def get_config(self):
         config = super().get_config()
         config["rho"] = self.rho
-        config["learning_rate"] = self.elastic_learning_rate
+        config["elastic_learning_rate"] = self.elastic_learning_rate
         return config
 
 
@@ -101,8 +108,8 @@ class AEASGD(WindowedOptimizer):
 class EAMSGD(AEASGD):
     """Elastic averaging momentum SGD: AEASGD with Nesterov momentum locally.
 
-    The inner optimizer defaults to `SGD(learning_rate, momentum=0.9,
-    nesterov=True)`; everything else is `AEASGD`.
+    The inner optimizer defaults to `SGD(elastic_learning_rate,
+    momentum=0.9, nesterov=True)`; everything else is `AEASGD`.
 
     Args: as `AEASGD`.
     """

@@ -9,9 +9,10 @@ from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
+from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
-from tf_agn.replicas import aggregate
-from tf_agn.replicas import default_aggregation
+from tf_agn.replica_aggregation import aggregate
+from tf_agn.replica_aggregation import default_aggregation
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
@@ -37,7 +38,7 @@ class WindowedOptimizer(DistributedOptimizer):
       and pulls the center only to commit (the elastic methods).
 
     Synchronously, at a window's end every replica forms its Δ_r, the Δ_r are
-    combined with `aggregation` in one packed reduction, and the
+    combined with `aggregation_method` in one packed reduction, and the
     `outer_optimizer` applies the combination to the center θ_c as the
     pseudo-gradient −Δ (default SGD(1.0): θ_c ← θ_c + Δ). Asynchronously the
     server applies each worker's Δ on its own, scaled by `commit_scale`.
@@ -53,9 +54,10 @@ class WindowedOptimizer(DistributedOptimizer):
         optimizer: the inner Keras optimizer every replica or worker steps
             with.
         local_steps: λ, the number of local steps per window (an int >= 1).
-        aggregation: how the replicas' Δ_r are combined synchronously: an
-            `AggregationMethod` or its name. None takes the default of the
-            strategy's `tf_agn.AggregatingAllReduce`.
+        aggregation_method: how the replicas' Δ_r are combined
+            synchronously: an `AggregationMethod` or its name. None takes the
+            default of the strategy's `tf_agn.AggregatingAllReduce`.
+            (`aggregation=` is its deprecated former name.)
         outer_optimizer: the Keras optimizer that applies the combined Δ to
             the center; default `keras.optimizers.SGD(1.0)`. Only its update
             rule is used, not its clipping or weight decay.
@@ -67,7 +69,7 @@ class WindowedOptimizer(DistributedOptimizer):
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
             optimizer.
         ValueError: if `local_steps` is not an int >= 1, the outer learning
-            rate is not positive, or `aggregation` is unknown.
+            rate is not positive, or `aggregation_method` is unknown.
     """
 
     # Class attribute: the elastic methods keep their own weights.
@@ -77,12 +79,16 @@ class WindowedOptimizer(DistributedOptimizer):
         self,
         optimizer,
         local_steps,
-        aggregation="mean",
+        aggregation_method="mean",
         outer_optimizer=None,
         reset_inner_state=False,
         name=None,
         **kwargs,
     ):
+        aggregation_method = renamed_argument(
+            kwargs, "aggregation", "aggregation_method", type(self).__name__,
+            aggregation_method,
+        )  # fmt: skip
         if (
             isinstance(local_steps, bool)
             or not isinstance(local_steps, int)
@@ -94,12 +100,12 @@ class WindowedOptimizer(DistributedOptimizer):
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(learning_rate=1.0)
         _check_outer_optimizer(outer_optimizer)
-        if aggregation is not None:
-            aggregation = AggregationMethod.parse(aggregation)
+        if aggregation_method is not None:
+            aggregation_method = AggregationMethod.parse(aggregation_method)
         # The inner optimizer's own steps are local: aggregation NONE.
-        super().__init__(optimizer, aggregation="none", name=name, **kwargs)
+        super().__init__(optimizer, aggregation_method="none", name=name, **kwargs)
         self.local_steps = local_steps
-        self.commit_aggregation = aggregation
+        self.commit_aggregation = aggregation_method
         self.outer_optimizer = outer_optimizer
         self.reset_inner_state = bool(reset_inner_state)
         self._swap_function = None
@@ -301,7 +307,7 @@ class WindowedOptimizer(DistributedOptimizer):
         config.update(
             {
                 "local_steps": self.local_steps,
-                "aggregation": (
+                "aggregation_method": (
                     None
                     if self.commit_aggregation is None
                     else self.commit_aggregation.value
