@@ -1,4 +1,10 @@
-"""`fit`: asynchronous parameter-server training of a Keras 3 model."""
+"""`fit`: asynchronous parameter-server training of a Keras 3 model.
+
+Keras 3's `model.fit` does not run under `ParameterServerStrategy`, so this
+module schedules windows on a `ClusterCoordinator` itself, inside the
+callback, progress-bar and `History` skeleton it shares with ADL
+(`tf_agn.training_loop.run_epochs`).
+"""
 
 import collections
 import inspect
@@ -10,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_agn.optimizers.windowed import WindowedOptimizer
+from tf_agn.training_loop import run_epochs
 from tf_agn.strategies.commit_server import APPLIED
 from tf_agn.strategies.commit_server import CommitServer
 from tf_agn.strategies.commit_server import REJECTED_NON_FINITE
@@ -136,7 +143,6 @@ def fit(
             f"checkpoint_every must be None or an int >= 1; received "
             f"{checkpoint_every!r}."
         )
-    verbose = 1 if verbose == "auto" else verbose
     local_steps = optimizer.local_steps
     windows_per_epoch = math.ceil(steps_per_epoch / local_steps)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -163,25 +169,11 @@ def fit(
     iterator = iter(per_worker_dataset)
     run_window = window_function(worker, local_steps)
 
-    callback_list = keras.callbacks.CallbackList(
-        callbacks,
-        add_history=True,
-        add_progbar=verbose != 0,
-        model=model,
-        verbose=verbose,
-        epochs=epochs,
-        steps=windows_per_epoch,
-    )
     staleness = Staleness()
-    model.stop_training = False
-    callback_list.on_train_begin()
-    logs = {}
-    for epoch in range(epochs):
+
+    def run_epoch(epoch, callback_list):
         first = epoch * windows_per_epoch
         pending = [w for w in range(first, first + windows_per_epoch) if not applied[w]]
-        if not pending:
-            continue  # Restored from a checkpoint taken after this epoch.
-        callback_list.on_epoch_begin(epoch)
         epoch_staleness = Staleness()
         losses = []
         chunk = checkpoint_every or len(pending)
@@ -203,20 +195,29 @@ def fit(
                 )
             if manager is not None:
                 manager.save()
-        logs = {"loss": _mean(losses)}
-        logs["staleness"] = epoch_staleness.mean
-        logs["commits"] = int(server.commits.numpy())
-        logs["rejected_commits"] = int(server.rejected.numpy())
-        if validation_data is not None:
-            logs.update(
-                {f"val_{k}": v for k, v in evaluate(model, validation_data).items()}
-            )
         _write_staleness_histogram(callback_list, staleness, epoch)
-        callback_list.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    callback_list.on_train_end(logs)
-    history = model.history
+        return {
+            "loss": _mean(losses),
+            "staleness": epoch_staleness.mean,
+            "commits": int(server.commits.numpy()),
+            "rejected_commits": int(server.rejected.numpy()),
+        }
+
+    def restored(epoch):
+        # Every window of the epoch was applied before a checkpoint.
+        first = epoch * windows_per_epoch
+        return bool(applied[first : first + windows_per_epoch].all())
+
+    history = run_epochs(
+        model,
+        epochs,
+        windows_per_epoch,
+        run_epoch,
+        callbacks=callbacks,
+        verbose=verbose,
+        validate=None if validation_data is None else lambda: evaluate(model, validation_data),
+        skip_epoch=restored,
+    )
     history.staleness = staleness
     history.server = server
     return history

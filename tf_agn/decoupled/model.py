@@ -1,5 +1,14 @@
 """`DecoupledModel`: model-parallel training with delayed, accumulated
-gradients (ADL), and its DDG and BP baselines on the same machinery."""
+gradients (ADL), and its DDG and BP baselines on the same machinery.
+
+It is not a `keras.Model` driven by Keras' `fit`, on purpose: a tick is not
+a batch (every epoch fills and then drains the pipeline with ticks that
+feed nothing, so that validation and checkpoints see every batch applied),
+and the K stages keep K optimizers, one per device, where a `keras.Model`
+has one. Its `fit` runs the ticks inside the callback, progress-bar and
+`History` skeleton it shares with parameter-server training
+(`tf_agn.training_loop.run_epochs`).
+"""
 
 import keras
 import numpy as np
@@ -8,6 +17,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.decoupled.pipeline import Pipeline
 from tf_agn.decoupled.schedule import Schedule
+from tf_agn.training_loop import run_epochs
 
 REDUCTIONS = ("mean", "sum")
 
@@ -209,23 +219,11 @@ class DecoupledModel:
                 f"received {len(x)}."
             )
         pipeline = self._pipeline_for(x[:batch_size], y[:batch_size])
-        verbose = 1 if verbose == "auto" else verbose
-        callbacks = keras.callbacks.CallbackList(
-            callbacks,
-            add_history=True,
-            add_progbar=verbose != 0,
-            model=self,
-            verbose=verbose,
-            epochs=epochs,
-            steps=num_batches,
-        )
-        self.stop_training = False
         self.tick_trace = []
         empty_x = tf.zeros_like(x[:batch_size])
         empty_y = tf.zeros_like(y[:batch_size])
-        callbacks.on_train_begin()
-        for epoch in range(epochs):
-            callbacks.on_epoch_begin(epoch)
+
+        def run_epoch(epoch, callbacks):
             self._reset_metrics()
             order = np.random.permutation(len(x)) if shuffle else np.arange(len(x))
             for tick in range(self.schedule.num_ticks(num_batches)):
@@ -247,18 +245,22 @@ class DecoupledModel:
                 self.tick_trace.append(np.stack([i.numpy() for i in ids]))
                 if feeding:
                     callbacks.on_train_batch_end(tick, self._logs())
-            logs = self._logs()
-            if validation_data is not None:
-                val_logs = self.evaluate(
-                    *validation_data, batch_size=batch_size, return_dict=True
-                )
-                logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            callbacks.on_epoch_end(epoch, logs)
-            if self.stop_training:
-                break
-        callbacks.on_train_end(logs)
+            return self._logs()
+
+        def validate():
+            return self.evaluate(*validation_data, batch_size=batch_size, return_dict=True)
+
+        history = run_epochs(
+            self,
+            epochs,
+            num_batches,
+            run_epoch,
+            callbacks=callbacks,
+            verbose=verbose,
+            validate=None if validation_data is None else validate,
+        )
         self.tick_trace = np.stack(self.tick_trace)
-        return self.history
+        return history
 
     def evaluate(self, x, y, batch_size=32, verbose=0, return_dict=False):
         """The loss and metrics on `(x, y)`, the stages run in sequence.
