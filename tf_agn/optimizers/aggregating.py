@@ -56,6 +56,7 @@ class Aggregating:
         if aggregation_method is not None:
             aggregation_method = AggregationMethod.parse(aggregation_method)
         self.aggregation_method = aggregation_method
+        self._clipping_deferred = False
 
     @property
     def resolved_aggregation(self):
@@ -80,10 +81,21 @@ class Aggregating:
         """
         return communication_stats(self)
 
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Keras clips here, before the all-reduce; we clip the combined
+        # gradient in `_backend_update_step` instead. A flag, read while
+        # the step is traced, rather than a no-op `_clip_gradients`, so
+        # that the method keeps Keras' contract for other callers.
+        self._clipping_deferred = True
+        try:
+            super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            self._clipping_deferred = False
+
     def _clip_gradients(self, grads):
-        # Keras clips before it all-reduces; we clip the combined gradient
-        # in `_backend_update_step` instead.
-        return grads
+        if self._clipping_deferred:
+            return grads
+        return super()._clip_gradients(grads)
 
     def _apply_weight_decay(self, variables):
         # The backend-agnostic version updates each replica's copy in replica
