@@ -171,6 +171,9 @@ def fit(
 
     staleness = Staleness()
 
+    def schedule(window):
+        return coordinator.schedule(run_window, args=(iterator, tf.constant(window, tf.int64)))
+
     def run_epoch(epoch, callback_list):
         first = epoch * windows_per_epoch
         pending = [w for w in range(first, first + windows_per_epoch) if not applied[w]]
@@ -178,9 +181,6 @@ def fit(
         losses = []
         chunk = checkpoint_every or len(pending)
         for start in range(0, len(pending), chunk):
-            schedule = lambda window: coordinator.schedule(  # noqa: E731
-                run_window, args=(iterator, tf.constant(window, tf.int64))
-            )
             scheduled = [(w, schedule(w)) for w in pending[start : start + chunk]]
             for window, result in scheduled:
                 callback_list.on_train_batch_begin(window - first)
@@ -325,7 +325,9 @@ def dataset_from(dataset_fn, input_context):
         parameters = inspect.signature(dataset_fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return dataset_fn(input_context)
-    if not any(p.kind is not p.KEYWORD_ONLY and p.kind is not p.VAR_KEYWORD for p in parameters):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                  inspect.Parameter.VAR_POSITIONAL)  # fmt: skip
+    if not any(p.kind in positional for p in parameters):
         warnings.warn(
             "A dataset_fn without argument is deprecated and will not be "
             "called in the next release; take TensorFlow's "
