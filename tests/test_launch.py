@@ -196,21 +196,32 @@ def test_launch_multi_worker_trains_the_example_across_two_processes():
     assert min(accuracies.values()) > 0.8, accuracies
 
 
+# Worker 1 fails only once every worker has started (each leaves a file in
+# STARTED_DIR): otherwise the launcher may, rightly, stop worker 0 before it
+# has printed anything, and the test would check a race, not the launcher.
 WORKER_EXITS = """
-import json, os, sys, time
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-print(f"worker {index} of", len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]), flush=True)
+import json, os, pathlib, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+index = config["task"]["index"]
+workers = len(config["cluster"]["worker"])
+print(f"worker {index} of", workers, flush=True)
+started = pathlib.Path(os.environ["STARTED_DIR"])
+(started / str(index)).touch()
 if index == 1:
+    deadline = time.monotonic() + 30
+    while len(list(started.iterdir())) < workers and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(5)
 time.sleep(600)
 """
 
 
-def test_launch_multi_worker_stops_every_worker_when_one_fails():
+def test_launch_multi_worker_stops_every_worker_when_one_fails(tmp_path):
+    env = checkout_env(STARTED_DIR=str(tmp_path))
     result = subprocess.run(
         [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "3",
          "--", sys.executable, "-c", WORKER_EXITS],
-        env=checkout_env(), capture_output=True, text=True, timeout=60,
+        env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 5, result.stdout + result.stderr
     assert "worker 0 of 3" in result.stdout
