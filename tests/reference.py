@@ -43,23 +43,30 @@ def clip_by_global_norm(grads, clip):
 
 def sgd_trajectory(
     params, x, y, method, num_replicas, batch_size, learning_rate,
-    global_clipnorm=None,
+    global_clipnorm=None, accumulation_steps=1, accumulation_reduction="mean",
 ):
     """Per-replica weights after plain SGD over consecutive global batches.
 
     Each global batch is split into `num_replicas` consecutive shards, as
-    `MirroredStrategy` distributes it.
+    `MirroredStrategy` distributes it. With `accumulation_steps` k, each
+    replica first averages (or sums) its gradients over k consecutive
+    batches, and one combined step is taken per k batches.
 
     Returns:
         A list, one entry per replica, of lists of numpy arrays.
     """
     replicas = [[np.array(p, np.float64) for p in params]] * num_replicas
     shard = batch_size // num_replicas
-    for start in range(0, len(x), batch_size):
+    window = batch_size * accumulation_steps
+    for window_start in range(0, len(x), window):
         grads = []
         for r in range(num_replicas):
-            rows = slice(start + r * shard, start + (r + 1) * shard)
-            grads.append(mse_gradients(replicas[r], x[rows], y[rows]))
+            micro = []
+            for start in range(window_start, window_start + window, batch_size):
+                rows = slice(start + r * shard, start + (r + 1) * shard)
+                micro.append(mse_gradients(replicas[r], x[rows], y[rows]))
+            reduce = np.mean if accumulation_reduction == "mean" else np.sum
+            grads.append([reduce(parts, axis=0) for parts in zip(*micro)])
         combined = combine(method, grads)
         if global_clipnorm is not None:
             combined = [clip_by_global_norm(g, global_clipnorm) for g in combined]

@@ -155,3 +155,27 @@ def test_private_modules_are_imported_only_here():
                 if pattern.search(open(path, encoding="utf-8").read()):
                     offenders.append(os.path.relpath(path, ROOT))
     assert not offenders, f"private Keras/TensorFlow imports outside tf_agn/_compat.py: {offenders}"
+
+
+def test_keras_gradient_accumulation_internals():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    names = []
+    plain = optimizer.add_variable_from_reference
+    optimizer.add_variable_from_reference = lambda ref, name=None, **kw: (
+        names.append(name) or plain(ref, name=name, **kw)
+    )
+    optimizer.build(model.trainable_variables)
+    assert names == [_compat.KERAS_ACCUMULATOR_NAME] * 2
+    kernel = model.trainable_variables[0]
+    accumulator = _compat.accumulator_of(optimizer, kernel)
+    assert accumulator.path.endswith(
+        _compat.reference_variable_name(kernel, _compat.KERAS_ACCUMULATOR_NAME)
+    )
+    optimizer.apply([tf.ones((3, 2)), tf.ones((2,))])
+    assert int(_compat.micro_step(optimizer).numpy()) == 1
+    assert int(optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(accumulator.numpy(), np.ones((3, 2)))
+    extra = keras.Variable(0.0, trainable=False, name="extra")
+    _compat.track_variable(optimizer, extra)
+    assert optimizer.variables[-1] is extra

@@ -44,6 +44,13 @@ What we need from Keras, and why:
   optimizer colocates its slots with their weights through the strategy,
   which `ParameterServerStrategy` refuses for worker-local weights
   (`slots_created_plainly`).
+- Gradient accumulation's state: the accumulators Keras' `build` asks
+  for by name (`KERAS_ACCUMULATOR_NAME`, `accumulator_of`), the micro-step
+  count `_iterations` (`iterations` counts applied steps), the name Keras
+  gives a variable made from a reference (`reference_variable_name`), and
+  `_track_variable`, which makes a variable one of the optimizer's
+  (`track_variable`): tf_agn makes the accumulators replica-local, which
+  `add_variable` has no argument for.
 - `LossFunctionWrapper` and `CompileMetrics`: the loss and metrics objects
   `keras.Model.compile` builds from what users pass, for `DecoupledModel`,
   which compiles like a Keras model but is not one.
@@ -181,6 +188,31 @@ def clip_gradients_in_place(optimizer, grads):
     """Clips `grads` by `optimizer`'s `clipnorm`, `global_clipnorm` and
     `clipvalue`, as Keras' base optimizer does."""
     return _keras_base_optimizer.BaseOptimizer._clip_gradients(optimizer, grads)
+
+
+# The name Keras' `BaseOptimizer.build` passes to
+# `add_variable_from_reference` for each gradient accumulator.
+KERAS_ACCUMULATOR_NAME = "gradient_accumulator"
+
+
+def accumulator_of(optimizer, variable):
+    """`optimizer`'s gradient accumulator for the trainable `variable`."""
+    return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+
+
+def micro_step(optimizer):
+    """The steps `optimizer` has taken, counting each accumulated one."""
+    return optimizer._iterations
+
+
+def reference_variable_name(reference_variable, name):
+    """The name Keras gives an optimizer variable made from a model one."""
+    return f"{reference_variable.path.replace('/', '_')}_{name}"
+
+
+def track_variable(optimizer, variable):
+    """Makes `variable` one of `optimizer.variables`, saved with it."""
+    optimizer._track_variable(variable)
 
 
 @contextlib.contextmanager

@@ -31,8 +31,15 @@ class CommunicationCounter:
             (), dtype="int64", aggregation="none", name="bytes_sent"
         )
 
-    def record(self, values, method, ops=None):
-        """Adds one aggregation of `values` (this replica's tensors)."""
+    def record(self, values, method, ops=None, when=None):
+        """Adds one aggregation of `values` (this replica's tensors).
+
+        Args:
+            values: this replica's tensors or `tf.IndexedSlices`.
+            method: an `AggregationMethod` or its name.
+            ops: the `tf_agn.AggregatingAllReduce` that sends them, if any.
+            when: None, or a scalar boolean tensor: count only where true.
+        """
         if AggregationMethod.parse(method) is AggregationMethod.NONE:
             return
         compressed = None
@@ -41,8 +48,9 @@ class CommunicationCounter:
         # Dense gradients have static shapes: their payload is a Python
         # number, so counting adds no per-tensor ops to the training step.
         payload = sum(_payload_bytes(v, compressed) for v in values)
-        self.calls.assign_add(tf.constant(1, tf.int64))
-        self.bytes.assign_add(tf.cast(payload, tf.int64))
+        times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
+        self.calls.assign_add(times)
+        self.bytes.assign_add(tf.cast(payload, tf.int64) * times)
 
     def result(self):
         """Returns `{"all_reduce_calls": int, "bytes_sent": int}`."""

@@ -10,6 +10,10 @@ from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
+from tf_agn.optimizers.accumulation import accumulate_and_apply
+from tf_agn.optimizers.accumulation import add_accumulator
+from tf_agn.optimizers.accumulation import check_accumulation_reduction
+from tf_agn.optimizers.accumulation import check_accumulation_steps
 from tf_agn.replica_aggregation import aggregate_gradients
 from tf_agn.replica_aggregation import default_aggregation
 
@@ -31,6 +35,10 @@ class Aggregating:
     4. runs the optimizer's own `update_step` on each replica's copy, in
        replica context.
 
+    With Keras' `gradient_accumulation_steps=k`, each replica sums k
+    micro-steps' gradients locally and steps 2 to 4 run once per k steps,
+    on the window's mean (or sum); see `tf_agn.optimizers.accumulation`.
+
     With NONE, step 2 communicates nothing and every replica applies its own
     gradient, so the copies drift apart (read them with
     `tf_agn.replica_weights`). With the others every replica applies the
@@ -45,17 +53,39 @@ class Aggregating:
             default) takes the `aggregation` of the strategy's
             `tf_agn.AggregatingAllReduce` (see `tf_agn.strategies.mirrored`),
             or MEAN under any other strategy.
-        *args, **kwargs: the Keras optimizer's own arguments.
+        accumulation_reduction: with `gradient_accumulation_steps=k`, how a
+            replica's k micro-step gradients are combined: "mean" (default,
+            Keras' own: a step on a k times larger batch) or "sum" (k times
+            the gradient: divide the learning rate by k to compensate).
+        *args, **kwargs: the Keras optimizer's own arguments, among them
+            `gradient_accumulation_steps` (None or an int >= 1; 1 means
+            every step).
 
     Raises:
-        ValueError: for an unknown aggregation method.
+        ValueError: for an unknown aggregation method or accumulation
+            reduction, a bad `gradient_accumulation_steps`, or accumulation
+            together with `use_ema`.
     """
 
-    def __init__(self, *args, aggregation_method=None, **kwargs):
+    def __init__(
+        self, *args, aggregation_method=None, accumulation_reduction="mean", **kwargs
+    ):
+        if "gradient_accumulation_steps" in kwargs:
+            kwargs["gradient_accumulation_steps"] = check_accumulation_steps(
+                kwargs["gradient_accumulation_steps"]
+            )
         super().__init__(*args, **kwargs)
         if aggregation_method is not None:
             aggregation_method = AggregationMethod.parse(aggregation_method)
         self.aggregation_method = aggregation_method
+        self.accumulation_reduction = check_accumulation_reduction(
+            accumulation_reduction
+        )
+        if self.gradient_accumulation_steps and self.use_ema:
+            raise ValueError(
+                "tf_agn's optimizers do not combine gradient_accumulation_steps "
+                "with use_ema=True yet; use one or the other."
+            )
         self._clipping_deferred = False
 
     @property
@@ -81,16 +111,36 @@ class Aggregating:
         """
         return communication_stats(self)
 
+    def add_variable_from_reference(
+        self, reference_variable, name=None, initializer="zeros"
+    ):
+        # Keras' `build` asks for the accumulators by this name; ours are
+        # replica-local (see `tf_agn.optimizers.accumulation`).
+        if name == _compat.KERAS_ACCUMULATOR_NAME:
+            return add_accumulator(self, reference_variable, self.resolved_aggregation)
+        return super().add_variable_from_reference(
+            reference_variable, name=name, initializer=initializer
+        )
+
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Keras clips here, before the all-reduce; we clip the combined
-        # gradient in `_backend_update_step` instead. A flag, read while
-        # the step is traced, rather than a no-op `_clip_gradients`, so
-        # that the method keeps Keras' contract for other callers.
+        # gradient in `_apply_combined` instead. A flag, read while the
+        # step is traced, rather than a no-op `_clip_gradients`, so that the
+        # method keeps Keras' contract for other callers.
         self._clipping_deferred = True
         try:
-            super()._backend_apply_gradients(grads, trainable_variables)
+            if self.gradient_accumulation_steps:
+                accumulate_and_apply(
+                    self, grads, trainable_variables, self._apply_window
+                )
+            else:
+                super()._backend_apply_gradients(grads, trainable_variables)
         finally:
             self._clipping_deferred = False
+
+    def _apply_window(self, grads, trainable_variables):
+        self._apply_weight_decay(trainable_variables)
+        self._apply_combined(grads, trainable_variables, self.learning_rate)
 
     def _clip_gradients(self, grads):
         if self._clipping_deferred:
@@ -106,6 +156,9 @@ class Aggregating:
         grads = aggregate_gradients(
             grads, self.resolved_aggregation, self._communication
         )
+        self._apply_combined(grads, trainable_variables, learning_rate)
+
+    def _apply_combined(self, grads, trainable_variables, learning_rate):
         grads = _compat.clip_gradients_in_place(self, grads)
         _compat.update_step_in_place(self, grads, trainable_variables, learning_rate)
 
@@ -113,6 +166,7 @@ class Aggregating:
         config = super().get_config()
         method = self.aggregation_method
         config["aggregation_method"] = None if method is None else method.value
+        config["accumulation_reduction"] = self.accumulation_reduction
         return config
 
 

@@ -46,15 +46,31 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             MEAN. None takes the default of the strategy's
             `tf_agn.AggregatingAllReduce`. (`aggregation=` is its deprecated
             former name.)
+        gradient_accumulation_steps: None, or the micro-steps k per applied
+            step, as Keras' argument of that name: given here, it is set on
+            the wrapped optimizer, which must not have another. Horovod
+            calls it `backward_passes_per_step`.
+        accumulation_reduction: "mean" (default) or "sum"; see
+            `tf_agn.optimizers.Aggregating`.
         name: the wrapper's name.
 
     Raises:
         TypeError: if `optimizer` is not a Keras 3 optimizer.
         ValueError: if `optimizer` is already built, is a
-            `LossScaleOptimizer`, or `aggregation_method` is unknown.
+            `LossScaleOptimizer`, `aggregation_method` or
+            `accumulation_reduction` is unknown, or
+            `gradient_accumulation_steps` is bad or set twice.
     """
 
-    def __init__(self, optimizer, aggregation_method="mean", name=None, **kwargs):
+    def __init__(
+        self,
+        optimizer,
+        aggregation_method="mean",
+        name=None,
+        gradient_accumulation_steps=None,
+        accumulation_reduction="mean",
+        **kwargs,
+    ):
         aggregation_method = renamed_argument(
             kwargs, "aggregation", "aggregation_method", type(self).__name__,
             aggregation_method,
@@ -82,6 +98,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._wrapped_class = type(optimizer)
         config = optimizer.get_config()
         config["aggregation_method"] = aggregation_method and aggregation_method.value
+        config["accumulation_reduction"] = accumulation_reduction
+        if gradient_accumulation_steps is not None:
+            own = optimizer.gradient_accumulation_steps
+            if own not in (None, gradient_accumulation_steps):
+                raise ValueError(
+                    f"gradient_accumulation_steps={gradient_accumulation_steps!r} "
+                    f"given to DistributedOptimizer, but {optimizer.name!r} has "
+                    f"{own!r}: set it in one place."
+                )
+            config["gradient_accumulation_steps"] = gradient_accumulation_steps
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
 
     @property
@@ -142,6 +168,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner_config = self.inner_optimizer.get_config()
         if not issubclass(self._wrapped_class, Aggregating):
             del inner_config["aggregation_method"]
+            del inner_config["accumulation_reduction"]
         return self._wrapped_class.from_config(inner_config)
 
     def get_config(self):
@@ -153,6 +180,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(plain),
             "aggregation_method": None if method is None else method.value,
+            "accumulation_reduction": self.inner_optimizer.accumulation_reduction,
         }
 
     @classmethod

@@ -69,7 +69,9 @@ class WindowedOptimizer(DistributedOptimizer):
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
             optimizer.
         ValueError: if `local_steps` is not an int >= 1, the outer learning
-            rate is not positive, or `aggregation_method` is unknown.
+            rate is not positive, `aggregation_method` is unknown, or the
+            inner optimizer accumulates gradients (see
+            `gradient_accumulation_steps`: the window already does).
     """
 
     # Class attribute: the elastic methods keep their own weights.
@@ -96,6 +98,17 @@ class WindowedOptimizer(DistributedOptimizer):
         ):
             raise ValueError(
                 f"local_steps must be an int >= 1; received {local_steps!r}."
+            )
+        accumulation = kwargs.get("gradient_accumulation_steps") or getattr(
+            optimizer, "gradient_accumulation_steps", None
+        )
+        if accumulation:
+            raise ValueError(
+                f"{type(self).__name__} takes no gradient_accumulation_steps "
+                f"(received {accumulation!r}): its window of local_steps "
+                "already combines replicas once per window. Either take "
+                "local_steps optimizer steps per commit here, or accumulate "
+                "with tf_agn.optimizers.DistributedOptimizer."
             )
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(learning_rate=1.0)

@@ -1,0 +1,155 @@
+"""Gradient accumulation on every replica: k micro-steps, one exchange.
+
+Keras' own `gradient_accumulation_steps=k` sums gradients into
+accumulators and applies their mean every k-th step. Under a
+`tf.distribute` strategy it fails (keras-team/keras#20582): it all-reduces
+every micro-step and updates the accumulators through `merge_call` inside a
+`tf.cond`, which tf.distribute does not allow. tf_agn's optimizers instead,
+in replica context:
+
+1. add each micro-step's gradient to this replica's accumulators, sending
+   nothing;
+2. on the k-th micro-step, normalize the window (mean over the k
+   micro-steps by default, or their sum) and combine it across replicas
+   once, with the optimizer's aggregation method: 1/k of the bytes;
+3. if the combined gradient is finite, clip it, apply weight decay and
+   update the weights, once; if it is not (any replica overflowed in any
+   micro-step), skip the whole window;
+4. reset the accumulators.
+
+With MEAN and the default `accumulation_reduction="mean"` the applied step
+equals one step on a k times larger batch. With "sum" the gradient is k
+times larger, as if the loss summed rather than averaged over the k
+micro-batches: divide the learning rate by k for the same step size.
+
+The accumulators are replica-local (`synchronization="on_read"`): each
+replica sums its own micro-batches. Read across replicas, as when a model
+is saved, they give the mean over replicas (replica 0's under
+ONLY_FIRST_REPLICA and NONE), which is all the combined window depends
+on, so training resumed from a `.keras` file mid-window applies the same
+step as uninterrupted training would.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_agn import _compat
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.replica_aggregation import aggregate_gradients
+
+ACCUMULATION_REDUCTIONS = ("mean", "sum")
+
+
+def check_accumulation_steps(steps):
+    """Validates `gradient_accumulation_steps`.
+
+    Args:
+        steps: None, or an int >= 1.
+
+    Returns:
+        `steps`, with 1 (apply every step) given as None, Keras' spelling.
+
+    Raises:
+        ValueError: if `steps` is not None nor an int >= 1.
+    """
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            "`gradient_accumulation_steps` must be None or an int >= 1 (the "
+            f"micro-steps per applied step); received {steps!r}."
+        )
+    return None if steps == 1 else steps
+
+
+def check_accumulation_reduction(reduction):
+    """Validates `accumulation_reduction`.
+
+    Returns:
+        `reduction`, lower-cased.
+
+    Raises:
+        ValueError: if it is not "mean" or "sum".
+    """
+    name = reduction.lower() if isinstance(reduction, str) else reduction
+    if name not in ACCUMULATION_REDUCTIONS:
+        raise ValueError(
+            f"Unknown accumulation_reduction {reduction!r}. Allowed: "
+            f"{', '.join(ACCUMULATION_REDUCTIONS)}."
+        )
+    return name
+
+
+def add_accumulator(optimizer, reference_variable, method):
+    """A replica-local, zero-initialized accumulator for `reference_variable`.
+
+    Named as Keras names its own, so an optimizer's variables line up with
+    those of Keras' optimizer of the same class.
+
+    Args:
+        optimizer: the Keras optimizer that owns it.
+        reference_variable: the model variable it accumulates for.
+        method: the optimizer's `AggregationMethod`: what a cross-replica
+            read gives (see the module docstring).
+
+    Returns:
+        A `keras.Variable`.
+    """
+    if method in (AggregationMethod.SUM, AggregationMethod.MEAN):
+        aggregation = "mean"
+    else:
+        aggregation = "only_first_replica"
+    name = _compat.reference_variable_name(
+        reference_variable, _compat.KERAS_ACCUMULATOR_NAME
+    )
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        variable = keras.Variable(
+            initializer="zeros",
+            shape=reference_variable.shape,
+            dtype=reference_variable.dtype,
+            trainable=False,
+            aggregation=aggregation,
+            synchronization="on_read",
+            name=name,
+        )
+    _compat.track_variable(optimizer, variable)
+    return variable
+
+
+def accumulate_and_apply(optimizer, grads, variables, apply_window):
+    """One micro-step of gradient accumulation, in replica context.
+
+    Args:
+        optimizer: a `tf_agn.optimizers.Aggregating` optimizer with
+            `gradient_accumulation_steps` set.
+        grads: this replica's gradients for `variables`.
+        variables: the trainable variables.
+        apply_window: `apply_window(grads, variables)` clips, decays and
+            updates with the combined window gradient, locally.
+    """
+    steps = optimizer.gradient_accumulation_steps
+    is_last = tf.equal((_compat.micro_step(optimizer) + 1) % steps, 0)
+    accumulators = [_compat.accumulator_of(optimizer, v) for v in variables]
+    window = [
+        tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
+    ]
+    scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
+    combined = aggregate_gradients(
+        window,
+        optimizer.resolved_aggregation,
+        optimizer._communication,
+        value_scale=scale,
+        when=is_last,
+    )
+
+    def apply():
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in combined])
+        tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+
+    def accumulate():
+        for accumulator, total in zip(accumulators, window):
+            accumulator.assign(total)
+
+    tf.cond(is_last, apply, accumulate)
