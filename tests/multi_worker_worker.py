@@ -21,6 +21,9 @@ OUT_DIR/worker<i>.npz with:
         worker's replica received, step by step, read through `strategy.run`
         from the same distributed dataset `fit` consumes;
     <method>/<i>: the i-th final weight array after training with <method>;
+    accumulated/<i>, accumulated_calls: the same for MEAN with
+        `gradient_accumulation_steps=ACCUMULATION_STEPS`, and its count of
+        aggregations;
     aggregate/<compression>/<dtype>/<method>/<i>: this worker's replica's
         result of `AggregatingAllReduce.aggregate` on the arrays of
         `replica_arrays`, with every method, dtype and compression;
@@ -72,6 +75,7 @@ STRATEGY = tf_agn.strategies.multi_worker_mirrored()
 log("cluster up")
 
 COMPRESSIONS = ["none", "fp16"]
+ACCUMULATION_STEPS = 2
 
 
 def shard_indices(num_rows, batch_size, num_pipelines, pipeline_id):
@@ -171,6 +175,21 @@ def main(inputs_path, model_path, out_dir):
         (weights,) = tf_agn.replica_weights(model)  # this worker's one copy
         for i, array in enumerate(weights):
             result[f"{method}/{i}"] = array
+    # Gradient accumulation: each worker's replica sums 2 micro-steps and
+    # the workers combine once per window.
+    with strategy.scope():
+        model = keras.models.load_model(model_path, compile=False)
+        model.compile(
+            optimizer=tf_agn.optimizers.SGD(
+                learning_rate, gradient_accumulation_steps=ACCUMULATION_STEPS
+            ),
+            loss="mse",
+        )
+    model.fit(dataset, epochs=1, verbose=0)
+    log("trained with gradient accumulation")
+    for i, array in enumerate(model.get_weights()):
+        result[f"accumulated/{i}"] = array
+    result["accumulated_calls"] = model.optimizer.communication_stats()["all_reduce_calls"]
     # Keras's own optimizer all-reduces through the strategy's ops, in
     # replica context (`replica_context.all_reduce`).
     with strategy.scope():

@@ -48,6 +48,26 @@ def test_mnist_mirrored_learns():
     assert printed_accuracy(stdout) >= 0.85
 
 
+def test_mnist_mirrored_with_gradient_accumulation():
+    # Micro-batches of 128, 4 per applied step: the effective batch of 512
+    # and the 18 applied steps of `test_mnist_mirrored_learns` (3,072
+    # digits, 24 micro-steps per epoch, 3 epochs), so the same bar; one
+    # aggregation of the MLP's 235,146 float32 parameters per window.
+    # Seeds 0-2 reached 0.887, 0.885 and 0.885.
+    stdout = run_example(
+        MNIST_MIRRORED,
+        "--cpu_replicas=4",
+        "--train_samples=3072",
+        "--batch_size=128",
+        "--gradient_accumulation_steps=4",
+        "--epochs=3",
+        "--verbose=0",
+    )
+    assert "gradient_accumulation_steps=4." in stdout
+    assert printed_accuracy(stdout) >= 0.85
+    assert f"bytes_sent={18 * 235146 * 4}" in stdout
+
+
 def test_mnist_mirrored_with_another_aggregation_and_optimizer():
     stdout = run_example(
         MNIST_MIRRORED,

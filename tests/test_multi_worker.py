@@ -358,3 +358,25 @@ def test_keras_fit_reductions_fail_stock_and_work_with_ours(cluster):
         assert "Invalid reduction dimension" in stock[1], stock
         num_replicas = len(workers)
         assert result["keras_fix/integer_mean"] == pytest.approx((num_replicas + 1) / 2)
+
+
+def test_gradient_accumulation_combines_once_per_window_across_workers(cluster):
+    num_workers, workers = cluster
+    batch = BATCH[num_workers]
+    x, y = data(ROWS_STEPS)
+    window = 2 * batch  # a trailing micro-step stays in the accumulators
+    want = sgd_trajectory(
+        initial_params(), x[:window], y[:window], "mean", num_workers, batch,
+        LEARNING_RATE, accumulation_steps=2,
+    )
+    every_step = sgd_trajectory(
+        initial_params(), x[:window], y[:window], "mean", num_workers, batch,
+        LEARNING_RATE,
+    )
+    for index, result in enumerate(workers):
+        _assert_matches(
+            [result[f"accumulated/{i}"] for i in range(len(initial_params()))],
+            want[index], {"no accumulation": every_step[index]},
+            f"accumulation, worker {index}",
+        )
+        assert int(result["accumulated_calls"]) == 1

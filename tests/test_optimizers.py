@@ -1,5 +1,7 @@
 """tf_agn's aggregating optimizers under a real 4-replica MirroredStrategy."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -338,3 +340,45 @@ def test_clip_gradients_keeps_keras_contract(name, kwargs, first):
     for got, want in zip(ours, keras_own, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
     np.testing.assert_allclose(ours[0].numpy(), first, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, accumulation",
+    [("SGD", None), ("Adam", None), ("AdamW", None), ("RMSprop", None), ("SGD", 2)],
+)
+def test_state_is_keras_own_and_loads_from_it(name, accumulation):
+    """A drop-in's variables are those of Keras' class of the same name, in
+    the same order, so state saved by either loads into the other."""
+    kwargs = {"gradient_accumulation_steps": accumulation}
+    if name != "Adam":  # the others keep no moments unless asked
+        kwargs.update({"SGD": {"momentum": 0.9}, "AdamW": {}, "RMSprop": {"momentum": 0.5}}[name])
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    x, y = data(steps=4)
+    with strategy.scope():
+        model = build_mlp(initial_params())
+        ours = getattr(tf_agn.optimizers, name)(0.01, **kwargs)
+        model.compile(ours, loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    # Keras' own, trained on one device.
+    keras_model = build_mlp(initial_params())
+    keras_own = getattr(keras.optimizers, name)(0.01, **kwargs)
+    keras_model.compile(keras_own, loss="mse")
+    keras_model.fit(x[: 3 * BATCH], y[: 3 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+
+    def names(optimizer):
+        # Layer names carry a counter (dense_3); what follows is Keras' name.
+        return [
+            re.sub(r"^sequential(_\d+)?_dense(_\d+)?_", "", v.path.split("/")[-1])
+            for v in optimizer.variables
+        ]
+
+    assert len(ours.variables) == len(keras_own.variables)
+    assert names(ours) == names(keras_own)
+    keras_state = {}
+    keras_own.save_own_variables(keras_state)
+    ours.load_own_variables(keras_state)
+    for got, want in zip(ours.variables, keras_own.variables, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    ours_state = {}
+    ours.save_own_variables(ours_state)
+    assert sorted(ours_state) == sorted(keras_state)

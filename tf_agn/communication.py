@@ -1,5 +1,6 @@
 """Counting what replicas send each other."""
 
+import keras
 import tensorflow as tf
 
 from tf_agn import packing
@@ -16,20 +17,24 @@ class CommunicationCounter:
     the payload of float32/float64 values to 2 bytes per element. NONE
     sends nothing and is not counted.
 
-    The counts are optimizer variables, so they are saved with the model and
-    survive `.keras` round trips.
+    The counts are variables of the counter, not of the optimizer: an
+    optimizer's `variables`, and what it saves, stay exactly those of
+    Keras' optimizer of the same class, so checkpoints and code written for
+    Keras' state line up. The counts start at zero when the optimizer is
+    built (after loading too).
 
     Args:
-        optimizer: the Keras optimizer that owns the counting variables.
+        optimizer: the Keras optimizer whose aggregations are counted.
     """
 
     def __init__(self, optimizer):
-        self.calls = optimizer.add_variable(
-            (), dtype="int64", aggregation="none", name="all_reduce_calls"
-        )
-        self.bytes = optimizer.add_variable(
-            (), dtype="int64", aggregation="none", name="bytes_sent"
-        )
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            self.calls, self.bytes = (
+                keras.Variable(
+                    0, dtype="int64", trainable=False, aggregation="none", name=name
+                )
+                for name in ("all_reduce_calls", "bytes_sent")
+            )
 
     def record(self, values, method, ops=None, when=None):
         """Adds one aggregation of `values` (this replica's tensors).
