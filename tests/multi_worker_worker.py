@@ -161,44 +161,32 @@ def main(inputs_path, model_path, out_dir):
     }
     result.update(aggregate_results(strategy))
     result.update(keras_fix_results(strategy, dataset))
-    for method in methods:
+    def train(make_optimizer, key):
+        """Fits the test MLP with `make_optimizer()`; records its weights."""
         with strategy.scope():
             model = keras.models.load_model(model_path, compile=False)
-            model.compile(
-                optimizer=tf_agn.optimizers.SGD(
-                    learning_rate, aggregation_method=method
-                ),
-                loss="mse",
-            )
+            model.compile(optimizer=make_optimizer(), loss="mse")
         model.fit(dataset, epochs=1, verbose=0)
-        log(f"trained with {method}")
+        log(f"trained: {key}")
         (weights,) = tf_agn.replica_weights(model)  # this worker's one copy
         for i, array in enumerate(weights):
-            result[f"{method}/{i}"] = array
+            result[f"{key}/{i}"] = array
+        return model
+
+    for method in methods:
+        train(lambda: tf_agn.optimizers.SGD(learning_rate, aggregation_method=method), method)
     # Gradient accumulation: each worker's replica sums 2 micro-steps and
     # the workers combine once per window.
-    with strategy.scope():
-        model = keras.models.load_model(model_path, compile=False)
-        model.compile(
-            optimizer=tf_agn.optimizers.SGD(
-                learning_rate, gradient_accumulation_steps=ACCUMULATION_STEPS
-            ),
-            loss="mse",
-        )
-    model.fit(dataset, epochs=1, verbose=0)
-    log("trained with gradient accumulation")
-    for i, array in enumerate(model.get_weights()):
-        result[f"accumulated/{i}"] = array
+    model = train(
+        lambda: tf_agn.optimizers.SGD(
+            learning_rate, gradient_accumulation_steps=ACCUMULATION_STEPS
+        ),
+        "accumulated",
+    )
     result["accumulated_calls"] = model.optimizer.communication_stats()["all_reduce_calls"]
     # Keras's own optimizer all-reduces through the strategy's ops, in
     # replica context (`replica_context.all_reduce`).
-    with strategy.scope():
-        model = keras.models.load_model(model_path, compile=False)
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
-    model.fit(dataset, epochs=1, verbose=0)
-    log("trained with keras.optimizers.SGD")
-    for i, array in enumerate(model.get_weights()):
-        result[f"keras_sgd/{i}"] = array
+    train(lambda: keras.optimizers.SGD(learning_rate), "keras_sgd")
 
     path = os.path.join(out_dir, f"worker{task_index}.npz")
     np.savez(path + ".partial.npz", **result)
