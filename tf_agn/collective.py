@@ -13,8 +13,8 @@
   2(n - 1)/n pack volumes per device, the same on every link.
 
 `traffic` gives those volumes, and `python -m tf_agn.collective` prints
-them as the table in the README, which is why "auto" picks "collective"
-wherever transfers are real copies: GPUs, and several workers.
+them as a table. They are why "auto" picks "collective" wherever transfers
+are real copies: GPUs, and several workers.
 """
 
 import itertools
