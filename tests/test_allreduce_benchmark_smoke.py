@@ -4,9 +4,11 @@ tables and a verdict per target. The
 timings themselves are not checked (the machine is shared); the benchmark's
 own PASS/FAIL lines are for people."""
 
+import importlib.util
 import os
 import re
 
+import numpy as np
 import pytest
 
 from scripts import run_python
@@ -106,3 +108,19 @@ def test_multi_worker_benchmark_runs_and_reports():
     assert float(rows["ours_fp16"]) >= 2 * 100000 * 2 / 2**20 * 0.99, out
     assert_verdict(out, r"big: ours is \d+\.\d+x as fast as mwms_default")
     assert_verdict(out, r"big: ours_fp16 puts \d+\.\d+x the bytes of ours on the wire")
+
+
+def test_numpy_floor_sums_every_replica_in_chunks_on_every_thread():
+    spec = importlib.util.spec_from_file_location("allreduce_benchmark", ALLREDUCE)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    rng = np.random.default_rng(0)
+    shapes = [(7, 3), (50,), (1,)]  # 72 elements: chunks of 10 split tensors
+    arrays = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(4)]
+    want = np.concatenate([a.ravel() for a in benchmark.replica_sum(arrays)])
+    np.testing.assert_allclose(
+        want, sum(np.concatenate([a.ravel() for a in r]) for r in arrays), rtol=1e-6
+    )
+    floor = benchmark.numpy_floor(arrays, threads=3, chunk_elements=10)
+    np.testing.assert_allclose(floor(), want, rtol=1e-6)
+    np.testing.assert_allclose(floor(), want, rtol=1e-6)  # runs again alike
