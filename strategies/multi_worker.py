@@ -11,10 +11,15 @@ first, before any other TensorFlow op, with its own `TF_CONFIG`:
 such processes on this machine, each with its `TF_CONFIG`.
 """
 
+import signal
+import threading
+
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import agreement
 from tf_agn.cross_device_ops import AggregatingAllReduce
+from tf_agn.strategies import rendezvous
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -58,7 +63,11 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
 
 
 def multi_worker_mirrored(
-    aggregation="mean", cluster_resolver=None, communication_options=None, **ops_kwargs
+    aggregation="mean",
+    cluster_resolver=None,
+    communication_options=None,
+    connect_timeout_seconds=rendezvous.DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    **ops_kwargs,
 ):
     """Returns a `MultiWorkerMirroredStrategy` that reduces with
     `AggregatingAllReduce` over TensorFlow's collectives.
@@ -71,7 +80,25 @@ def multi_worker_mirrored(
 
     Call it first thing in every worker's program: TensorFlow connects the
     workers when the strategy is created, and no other TensorFlow op may
-    run before.
+    run before. Creating it:
+
+    1. waits for every other worker to answer on its cluster port, up to
+       `connect_timeout_seconds`, interruptible by Ctrl-C and SIGTERM
+       (`tf_agn.strategies.rendezvous`);
+    2. connects the workers (TensorFlow's constructor);
+    3. checks that every worker built its ops alike (aggregation,
+       `bytes_per_pack`, compression, transport, implementation, local
+       replicas and tf_agn version, `tf_agn.agreement`): otherwise every
+       worker raises, naming the field and each worker's value.
+
+    Collective group and instance keys are derived from the group of
+    devices, not from how many tf_agn objects a process made, so workers
+    that build different numbers of ops or strategies still agree. Every
+    collective fails after `timeout_seconds` (default 600 s, see
+    `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS`) rather than waiting for
+    ever on a lost peer. TensorFlow catches SIGTERM while it connects (for
+    its own preemption notices); the handler Python had before is put back
+    afterwards, so that a supervisor's SIGTERM stops the worker.
 
     Args:
         aggregation: the default `AggregationMethod` for tf_agn optimizers
@@ -83,6 +110,8 @@ def multi_worker_mirrored(
             `tf.distribute.experimental.CommunicationOptions` for the
             strategy: its fields override the ops' own (`timeout_seconds`
             turns a lost worker into an error instead of a hang).
+        connect_timeout_seconds: how long to wait for the other workers at
+            creation, and for their settings check; default 600.
         **ops_kwargs: further `AggregatingAllReduce` arguments
             (`bytes_per_pack`, `compression`, `timeout_seconds`, ...). The
             transport is always "collective".
@@ -91,24 +120,33 @@ def multi_worker_mirrored(
         A `KerasMultiWorkerMirroredStrategy`.
 
     Raises:
-        ValueError: for an unknown aggregation or a bad ops argument.
+        ValueError: for an unknown aggregation or a bad ops argument, or if
+            the workers' settings disagree.
+        TimeoutError: naming the workers that did not answer within
+            `connect_timeout_seconds`.
     """
     if ops_kwargs.get("transport", "collective") != "collective":
         raise ValueError(
             'multi_worker_mirrored reduces across workers: transport must be '
             f'"collective"; received {ops_kwargs["transport"]!r}.'
         )
-    strategy = KerasMultiWorkerMirroredStrategy(
-        cluster_resolver=cluster_resolver, communication_options=communication_options
-    )
-    num_workers, worker_index = _worker_count_and_index(strategy.cluster_resolver)
+    if cluster_resolver is None:
+        cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    num_workers, worker_index = _worker_count_and_index(cluster_resolver)
     ops_kwargs["transport"] = "collective"
+    # Built first, so that a bad argument fails before any waiting.
     ops = AggregatingAllReduce(
         aggregation=aggregation,
         num_workers=num_workers,
         worker_index=worker_index,
         **ops_kwargs,
     )
+    rendezvous.wait_for_peers(cluster_resolver, connect_timeout_seconds)
+    with _sigterm_kept():
+        strategy = KerasMultiWorkerMirroredStrategy(
+            cluster_resolver=cluster_resolver,
+            communication_options=communication_options,
+        )
     local_replicas = len(strategy.extended.worker_devices)
     if local_replicas * num_workers != strategy.num_replicas_in_sync:
         raise RuntimeError(
@@ -117,7 +155,23 @@ def multi_worker_mirrored(
             "must have the same number of devices."
         )
     _compat.replace_cross_device_ops(strategy.extended, ops)
+    if num_workers > 1:
+        agreement.check_agreement(
+            ops, strategy.extended.worker_devices, connect_timeout_seconds
+        )
     return strategy
+
+
+class _sigterm_kept:
+    """Puts back, on exit, the SIGTERM handler the main thread had on entry."""
+
+    def __enter__(self):
+        self._is_main = threading.current_thread() is threading.main_thread()
+        self._handler = signal.getsignal(signal.SIGTERM) if self._is_main else None
+
+    def __exit__(self, *exc_info):
+        if self._is_main and self._handler is not None:
+            signal.signal(signal.SIGTERM, self._handler)
 
 
 def _worker_count_and_index(resolver):

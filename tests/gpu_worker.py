@@ -17,10 +17,14 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_agn  # noqa: E402
+from contract import aggregate_results  # noqa: E402
+from contract import contract_results  # noqa: E402
+from contract import reference_methods  # noqa: E402
 
 SHAPES = [(1024, 512)] * 24 + [(512,)] * 24  # about 12.6 M floats
 REPEATS = 20
@@ -80,6 +84,58 @@ def check(names, transport, compression):
     return rows
 
 
+def max_rel_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-6)))
+
+
+def ordered_checks(names, transport):
+    """Ordered collectives: the whole CrossDeviceOps contract against
+    ReductionToOneDevice, and one `aggregate` of many packs with dense and
+    sparse values for every method, eager and traced; then `fit` with
+    three steps per call against one step per call."""
+    ours = tf_agn.strategies.mirrored(names, transport=transport)
+    stock = tf.distribute.MirroredStrategy(
+        names, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    many_packs = tf_agn.AggregatingAllReduce(transport=transport, bytes_per_pack=64)
+    rows = []
+    for traced in (False, True):
+        mode = "traced" if traced else "eager"
+        got, want = contract_results(ours, traced), contract_results(stock, traced)
+        error = max(
+            max_rel_error(g, w) for name in want for g, w in zip(got[name], want[name])
+        )
+        # float16 values are summed in another order than by
+        # ReductionToOneDevice: one rounding per addition.
+        rows.append({"kind": "check", "transport": transport, "compression": "None",
+                     "method": f"contract/{mode}", "max_rel_error": error, "placed": True,
+                     "rtol": 2e-3})
+        got = aggregate_results(many_packs, ours, traced)
+        error = max(
+            max_rel_error(array, reference_methods(len(names), replica)[name])
+            for name in got for replica, array in enumerate(got[name])
+        )
+        rows.append({"kind": "check", "transport": transport, "compression": "None",
+                     "method": f"many_packs/{mode}", "max_rel_error": error, "placed": True})
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((96, 8)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    weights = {}
+    for steps in (1, 3):
+        keras.utils.set_random_seed(0)
+        with ours.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+            model.compile(optimizer=tf_agn.optimizers.SGD(0.05), loss="mse",
+                          steps_per_execution=steps)
+        model.fit(x, y, batch_size=16 * len(names), epochs=2, shuffle=False, verbose=0)
+        weights[steps] = model.get_weights()
+    error = max(max_rel_error(a, b) for a, b in zip(weights[3], weights[1]))
+    rows.append({"kind": "check", "transport": transport, "compression": "None",
+                 "method": "steps_per_execution_3", "max_rel_error": error, "placed": True})
+    return rows
+
+
 def timed(names, name, cross_device_ops):
     strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=cross_device_ops)
     rng = np.random.default_rng(1)
@@ -116,6 +172,7 @@ def main():
     for transport in transports:
         for compression in (None, "fp16"):
             rows += check(names, transport, compression)
+        rows += ordered_checks(names, transport)
     candidates = {"stock_default": None, "ours_auto": tf_agn.AggregatingAllReduce()}
     candidates["ours_local"] = tf_agn.AggregatingAllReduce(transport="local")
     if num_physical >= 2:

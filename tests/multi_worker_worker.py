@@ -69,6 +69,14 @@ from multi_worker_data import SHAPES  # noqa: E402
 from multi_worker_data import replica_arrays  # noqa: E402
 from multi_worker_data import replica_slices  # noqa: E402
 
+from contract import aggregate_results  # noqa: E402
+from contract import contract_results  # noqa: E402
+
+TASK_INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if TASK_INDEX == 0:
+    # Ops objects only worker 0 builds (as a chief-only evaluation strategy
+    # would) must not shift the collective keys the workers share.
+    EXTRA_OPS = [tf_agn.AggregatingAllReduce(), tf_agn.AggregatingAllReduce(transport="collective")]
 # The strategy must exist before any other TensorFlow op runs.
 log("TensorFlow imported")
 STRATEGY = tf_agn.strategies.multi_worker_mirrored()
@@ -159,13 +167,18 @@ def main(inputs_path, model_path, out_dir):
         "rows": rows,
         "uses_tf_agn_ops": tf_agn_ops(strategy) is not None,
     }
-    result.update(aggregate_results(strategy))
+    result.update(aggregate_method_results(strategy))
     result.update(keras_fix_results(strategy, dataset))
-    def train(make_optimizer, key):
+    result.update(contract_checks(strategy))
+    result.update(predict_and_evaluate(strategy, model_path, x, y, batch_size))
+    def train(make_optimizer, key, steps_per_execution=1):
         """Fits the test MLP with `make_optimizer()`; records its weights."""
         with strategy.scope():
             model = keras.models.load_model(model_path, compile=False)
-            model.compile(optimizer=make_optimizer(), loss="mse")
+            model.compile(
+                optimizer=make_optimizer(), loss="mse",
+                steps_per_execution=steps_per_execution,
+            )
         model.fit(dataset, epochs=1, verbose=0)
         log(f"trained: {key}")
         (weights,) = tf_agn.replica_weights(model)  # this worker's one copy
@@ -175,6 +188,12 @@ def main(inputs_path, model_path, out_dir):
 
     for method in methods:
         train(lambda: tf_agn.optimizers.SGD(learning_rate, aggregation_method=method), method)
+    # Several steps per call: collectives inside tf.while_loop and tf.cond.
+    train(
+        lambda: tf_agn.optimizers.SGD(learning_rate),
+        "steps_per_execution_3",
+        steps_per_execution=3,
+    )
     # Gradient accumulation: each worker's replica sums 2 micro-steps and
     # the workers combine once per window.
     model = train(
@@ -202,7 +221,42 @@ def local_value(strategy, make):
     )
 
 
-def aggregate_results(strategy):
+def contract_checks(strategy):
+    """tests/contract.py's calls, eager and traced, and `aggregate` with
+    many packs (an ops object every worker builds alike)."""
+    out = {}
+    default = tf_agn_ops(strategy)
+    many_packs = tf_agn.AggregatingAllReduce(
+        transport="collective", bytes_per_pack=64,
+        num_workers=default.num_workers, worker_index=default.worker_index,
+    )
+    for traced in (False, True):
+        mode = "traced" if traced else "eager"
+        for prefix, results in (
+            ("contract", contract_results(strategy, traced)),
+            ("many_packs", aggregate_results(many_packs, strategy, traced)),
+        ):
+            for name, arrays in results.items():
+                for copy, array in enumerate(arrays):
+                    out[f"{prefix}/{mode}/{name}/{copy}"] = array
+    log("contract checks done")
+    return out
+
+
+def predict_and_evaluate(strategy, model_path, x, y, batch_size):
+    """The untrained model's `predict` and `evaluate` on the first 40 rows:
+    a last batch smaller than the others, split unevenly for 3 workers."""
+    with strategy.scope():
+        model = keras.models.load_model(model_path, compile=False)
+        model.compile(loss="mse", metrics=["mae"])
+    rows = 40
+    predictions = model.predict(x[:rows], batch_size=batch_size, verbose=0)
+    loss, mae = model.evaluate(x[:rows], y[:rows], batch_size=batch_size, verbose=0)
+    log("predict and evaluate done")
+    return {"predict": predictions, "evaluate": np.array([loss, mae])}
+
+
+def aggregate_method_results(strategy):
     """Every method, dtype and compression through the strategy's ops, and
     a second ops object with fp16 compression (built in the same order on
     every worker, so its collective keys agree)."""

@@ -16,19 +16,13 @@ from tf_agn import _compat
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_collective_keys_give_distinct_groups_and_per_device_instances():
-    keys = _compat.CollectiveKeys(group_key_start=5)
-    first = keys.get_group_key(DEVICES[:2])
-    assert keys.get_group_key(DEVICES[:2]) == first
-    assert keys.get_group_key(DEVICES[2:]) == first + 1
-    launcher = _compat.CollectiveReplicaLauncher(
-        first, 2, keys, DEVICES[0], tf.distribute.experimental.CommunicationOptions()
-    )
-    # Eagerly outside a function the key is a plain int that advances.
-    key = int(_compat.next_instance_key(launcher))
-    assert int(_compat.next_instance_key(launcher)) == key + 1
-    for name in ("all_reduce", "all_reduce_indexed_slices"):
-        assert callable(getattr(launcher, name)), name
+def test_plain_variable_is_one_variable_even_under_a_strategy():
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    with strategy.scope():
+        variable = _compat.plain_variable(3, tf.int32, DEVICES[1])
+    assert not isinstance(variable, tf.distribute.DistributedValues)
+    assert variable.device.endswith("CPU:1")
+    assert int(variable.assign_add(1)) == 4
 
 
 def test_per_replica_helpers():
@@ -122,6 +116,24 @@ def test_loss_and_metric_wrappers_compile_like_keras():
     assert float(metrics.result()["accuracy"]) == pytest.approx(0.5)
 
 
+def test_set_initial_epoch_moves_fits_start_from_on_train_begin():
+    class StartAtEpoch2(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            _compat.set_initial_epoch(self.model, 2)
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 1), np.float32)
+    epochs = []
+    record = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: epochs.append(e))
+    model.fit(x, x, epochs=4, verbose=0, callbacks=[StartAtEpoch2(), record])
+    assert epochs == [2, 3]
+    _compat.set_initial_epoch(model, None)
+    epochs.clear()
+    model.fit(x, x, epochs=2, verbose=0, callbacks=[record])
+    assert epochs == [0, 1]
+
+
 # Versions ---------------------------------------------------------------------
 
 
@@ -179,3 +191,28 @@ def test_keras_gradient_accumulation_internals():
     extra = keras.Variable(0.0, trainable=False, name="extra")
     _compat.track_variable(optimizer, extra)
     assert optimizer.variables[-1] is extra
+
+
+def test_loss_scale_optimizer_decides_by_check_finite():
+    """What tf_agn.optimizers.loss_scaling relies on: Keras'
+    LossScaleOptimizer skips a step and halves its scale when
+    `check_finite` says so, and tf_agn's replacement (installed when
+    tf_agn is imported) asks an inner optimizer that has
+    `all_replicas_finite`; stock ones get the stock answer. Under a
+    strategy: tests/test_non_finite.py."""
+
+    class SaysNotFinite(keras.optimizers.SGD):
+        def all_replicas_finite(self, grads):
+            return tf.constant(False)
+
+    finite_grads = [np.ones(2, np.float32)]
+    for inner, applied in ((keras.optimizers.SGD(1.0), True), (SaysNotFinite(1.0), False)):
+        variable = keras.Variable(np.zeros(2, np.float32))
+        optimizer = keras.optimizers.LossScaleOptimizer(inner)
+        optimizer.apply(finite_grads, [variable])
+        assert bool(_compat.stock_loss_scale_check_finite(optimizer, finite_grads))
+        want = -finite_grads[0] / optimizer.initial_scale if applied else np.zeros(2)
+        np.testing.assert_array_equal(variable.numpy(), want)
+        scale = optimizer.initial_scale if applied else optimizer.initial_scale / 2
+        assert float(optimizer.dynamic_scale.numpy()) == scale
+        assert int(optimizer.step_counter.numpy()) == int(applied)

@@ -1,5 +1,7 @@
 """AggregatingAllReduce on real GPUs: numerics of every method, fp16
-compression and placement, per transport (tests/gpu_worker.py, in a fresh
+compression and placement, and ordered collectives (the whole
+CrossDeviceOps contract, many packs with sparse values, eager and traced,
+and steps_per_execution=3), per transport (tests/gpu_worker.py, in a fresh
 process). Marked `gpu`; benchmarks/gpu_check.sh runs them and prints the
 table."""
 
@@ -42,7 +44,7 @@ def test_every_method_matches_numpy_on_its_own_gpu(report):
         assert "collective" in transports
     for row in checks:
         assert row["placed"], row
-        assert row["max_rel_error"] <= RTOL[row["compression"]], row
+        assert row["max_rel_error"] <= row.get("rtol", RTOL[row["compression"]]), row
 
 
 def test_every_candidate_was_timed(report):

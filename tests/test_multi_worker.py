@@ -18,10 +18,15 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_agn
+from conftest import DEVICES
+from contract import contract_results
+from contract import reference_methods
 from multi_worker_data import replica_arrays
 from multi_worker_data import replica_slices
 from reference import sgd_trajectory
@@ -380,3 +385,89 @@ def test_gradient_accumulation_combines_once_per_window_across_workers(cluster):
             f"accumulation, worker {index}",
         )
         assert int(result["accumulated_calls"]) == 1
+
+
+def _copies(result, prefix):
+    """`{name: [array per copy]}` of the results stored under `prefix/`."""
+    found = {}
+    for key in result:
+        if key.startswith(prefix + "/"):
+            name, copy = key[len(prefix) + 1 :].rsplit("/", 1)
+            found.setdefault(name, {})[int(copy)] = result[key]
+    return {name: [c[i] for i in sorted(c)] for name, c in found.items()}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_contract_matches_one_process_reduction_to_one_device(cluster, traced):
+    """Every CrossDeviceOps entry point across workers gives what
+    TensorFlow's ReductionToOneDevice gives one process with as many
+    replicas: reduce, reduce_to and batch_reduce_to with mixed
+    destinations, broadcast, gather of ragged rows on two axes, a replica
+    context's all_gather, IndexedSlices, integers and float16."""
+    num_workers, workers = cluster
+    mode = "traced" if traced else "eager"
+    reference = contract_results(
+        tf.distribute.MirroredStrategy(
+            DEVICES[:num_workers], cross_device_ops=tf.distribute.ReductionToOneDevice()
+        ),
+        traced,
+    )
+    for index, result in enumerate(workers):
+        got = _copies(result, f"contract/{mode}")
+        assert sorted(got) == sorted(reference)
+        for name, copies in reference.items():
+            want = copies[index] if len(copies) > 1 else copies[0]
+            (mine,) = got[name]  # one replica per worker
+            rtol = 2e-3 if "half" in name or name == "batch_1_host" else 1e-6
+            np.testing.assert_allclose(
+                mine, want, rtol=rtol, err_msg=f"{name}, worker {index}"
+            )
+        # Each worker's gather holds every worker's rows: 1 + 2 (+ 3).
+        assert got["gather_rows"][0].shape[0] == num_workers * (num_workers + 1) // 2
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_many_packs_with_sparse_values_and_every_method(cluster, traced):
+    num_workers, workers = cluster
+    mode = "traced" if traced else "eager"
+    for index, result in enumerate(workers):
+        got = _copies(result, f"many_packs/{mode}")
+        for name, want in reference_methods(num_workers, index).items():
+            (mine,) = got[name]
+            np.testing.assert_allclose(mine, want, rtol=1e-6, err_msg=f"{name}, worker {index}")
+
+
+def test_predict_returns_every_row_in_order(cluster):
+    num_workers, workers = cluster
+    x, _ = data(ROWS_STEPS)
+    want = build_mlp(initial_params())(x[:40]).numpy()
+    w1, b1, w2, b2 = initial_params()
+    np.testing.assert_allclose(want, np.tanh(x[:40] @ w1 + b1) @ w2 + b2, rtol=1e-5)
+    for index, result in enumerate(workers):
+        np.testing.assert_allclose(
+            result["predict"], want, rtol=1e-6, atol=1e-7, err_msg=f"worker {index}"
+        )
+
+
+def test_evaluate_equals_one_process(cluster):
+    num_workers, workers = cluster
+    x, y = data(ROWS_STEPS)
+    model = build_mlp(initial_params())
+    model.compile(loss="mse", metrics=["mae"])
+    want = model.evaluate(x[:40], y[:40], batch_size=BATCH[num_workers], verbose=0)
+    for index, result in enumerate(workers):
+        np.testing.assert_allclose(
+            result["evaluate"], want, rtol=1e-6, err_msg=f"worker {index}"
+        )
+
+
+def test_steps_per_execution_3_matches_one_step_per_call(cluster):
+    """Three steps per call run their collectives inside Keras's
+    tf.while_loop and tf.cond; the weights equal one step per call's."""
+    _, workers = cluster
+    for index, result in enumerate(workers):
+        _assert_matches(
+            _weights(result, "steps_per_execution_3"), _weights(result, "mean"),
+            {"initial weights": initial_params()},
+            f"steps_per_execution=3, worker {index}",
+        )

@@ -9,14 +9,11 @@ Keras outside `TESTED_VERSIONS` warns once (`check_versions`).
 
 What we need from TensorFlow, and why:
 
-- `cross_device_utils.CollectiveKeys` and `CollectiveReplicaLauncher`: the
-  group and instance keys, ordering tokens (which keep NCCL launches in one
-  order on every device) and `all_reduce`/`all_reduce_indexed_slices`
-  wrappers that `MultiWorkerMirroredStrategy` itself runs on. Writing our
-  own would repeat TensorFlow's call-time instance keys, which keep workers
-  in step even when one retraces a function later than another.
-- `next_instance_key`: a collective broadcast needs the same kind of key as
-  the launcher's all-reduce, and the launcher only hands it out privately.
+- `resource_variable_ops.ResourceVariable`: a variable made outside any
+  strategy's variable creator (`plain_variable`), for the per-replica
+  instance-key counters and ordering tokens of tf_agn's collectives, as
+  TensorFlow's own collective launcher makes its tokens. `tf.Variable`
+  under a `MirroredStrategy` scope would make a mirrored variable.
 - `cross_device_ops.check_destinations`, `get_devices_from` and
   `_make_tensor_into_per_replica`: how TensorFlow's own cross-device ops
   read the `destinations` and values they are given.
@@ -51,6 +48,20 @@ What we need from Keras, and why:
   `_track_variable`, which makes a variable one of the optimizer's
   (`track_variable`): tf_agn makes the accumulators replica-local, which
   `add_variable` has no argument for.
+- `LossScaleOptimizer.check_finite` as the decision point of Keras'
+  TensorFlow `apply`: under a strategy it is called on each replica's own
+  gradients before any all-reduce, and the step follows replica 0's answer,
+  so an overflow on another replica reaches every replica's weights.
+  `keras.Model.compile` creates the stock class by itself under
+  `mixed_float16`, so a subclass would never be used: tf_agn replaces the
+  method on the class (`replace_loss_scale_check_finite`) with one that asks
+  the inner optimizer, when it has `all_replicas_finite`, and otherwise
+  calls the stock method (`stock_loss_scale_check_finite`); see
+  `tf_agn.optimizers.loss_scaling`.
+- `Trainer._initial_epoch`: the epoch Keras's TensorFlow `fit` starts
+  from when set, which its own `BackupAndRestore` sets; a callback has no
+  public way to move `fit`'s start (`set_initial_epoch`, for
+  `tf_agn.callbacks.BackupAndRestore`).
 - `LossFunctionWrapper` and `CompileMetrics`: the loss and metrics objects
   `keras.Model.compile` builds from what users pass, for `DecoupledModel`,
   which compiles like a Keras model but is not one.
@@ -65,17 +76,15 @@ from keras.src.optimizers import base_optimizer as _keras_base_optimizer
 from keras.src.trainers.compile_utils import CompileMetrics  # noqa: F401
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
-from tensorflow.python.distribute import cross_device_utils as _tf_cross_device_utils
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
 from tensorflow.python.distribute import ps_values as _tf_ps_values
 from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.framework import ops as _tf_framework_ops
+from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
 
 # (TensorFlow, Keras) releases CI runs: `setup.py` declares the same range.
 TESTED_VERSIONS = {"tensorflow": ("2.21", "2.22"), "keras": ("3.15", "3.16")}
 
-CollectiveKeys = _tf_cross_device_utils.CollectiveKeys
-CollectiveReplicaLauncher = _tf_cross_device_utils.CollectiveReplicaLauncher
 Mirrored = _tf_values.Mirrored
 check_destinations = _tf_cross_device_ops.check_destinations
 get_devices_from = _tf_cross_device_ops.get_devices_from
@@ -83,9 +92,13 @@ make_tensor_into_per_replica = _tf_cross_device_ops._make_tensor_into_per_replic
 regroup = _tf_distribute_utils.regroup
 
 
-def next_instance_key(launcher):
-    """The next collective instance key of `launcher`'s group and device."""
-    return launcher._next_instance_key()
+def plain_variable(initial_value, dtype, device):
+    """A resource variable on `device`, made eagerly and outside any
+    strategy's variable creator, whatever context the caller is in."""
+    with tf.init_scope(), tf.device(device):
+        return _tf_resource_variable_ops.ResourceVariable(
+            initial_value, dtype=dtype, trainable=False
+        )
 
 
 def cross_device_ops(extended, required=True):
@@ -215,6 +228,12 @@ def track_variable(optimizer, variable):
     optimizer._track_variable(variable)
 
 
+def set_initial_epoch(model, epoch):
+    """Makes `model.fit`, called now or from `on_train_begin`, start at
+    `epoch` (None: at fit's `initial_epoch` argument)."""
+    model._initial_epoch = epoch
+
+
 @contextlib.contextmanager
 def slots_created_plainly(optimizer):
     """While active, `optimizer` creates its slots without asking its
@@ -235,6 +254,33 @@ def slots_created_plainly(optimizer):
         yield
     finally:
         del optimizer.add_variable_from_reference
+
+
+# Keras' own `LossScaleOptimizer.check_finite`, kept before it is replaced.
+_STOCK_LOSS_SCALE_CHECK_FINITE = keras.optimizers.LossScaleOptimizer.check_finite
+
+
+def stock_loss_scale_check_finite(loss_scale_optimizer, grads):
+    """Keras' `LossScaleOptimizer.check_finite`: whether this replica's own
+    `grads` are all finite."""
+    return _STOCK_LOSS_SCALE_CHECK_FINITE(loss_scale_optimizer, grads)
+
+
+def replace_loss_scale_check_finite(check_finite):
+    """Makes every `keras.optimizers.LossScaleOptimizer` decide whether to
+    apply a step (or skip it and halve its scale) with
+    `check_finite(loss_scale_optimizer, grads)`.
+
+    Raises:
+        RuntimeError: if this Keras' class has no `check_finite` to replace.
+    """
+    if not callable(getattr(keras.optimizers.LossScaleOptimizer, "check_finite", None)):
+        raise RuntimeError(
+            "This Keras' LossScaleOptimizer has no check_finite; tf_agn cannot "
+            "make replicas agree on skipping non-finite steps. Use a tested "
+            "Keras version."
+        )
+    keras.optimizers.LossScaleOptimizer.check_finite = check_finite
 
 
 def _minor(version):

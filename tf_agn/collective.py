@@ -17,7 +17,7 @@ them as a table. They are why "auto" picks "collective" wherever transfers
 are real copies: GPUs, and several workers.
 """
 
-import itertools
+import hashlib
 import threading
 
 import tensorflow as tf
@@ -26,25 +26,68 @@ from tf_agn import _compat
 
 TRANSPORTS = ("auto", "local", "collective")
 
-# Each AggregatingAllReduce draws its collective group keys from a block of
-# its own, so that two of them in one process never share a group (TF's
-# default ops all start at group key 1, instance key 100, and collide).
-# Workers of a cluster build their ops in the same order, so the keys agree
-# across processes. The first block lies far above the keys TensorFlow's
-# own strategies use.
+# How long a collective waits for its peers before it fails with
+# `DeadlineExceededError`, unless a caller says otherwise. Long enough for
+# any step, evaluation or checkpoint a peer may still be busy with; short
+# enough that a lost peer or a program that calls collectives in another
+# order on one worker fails within minutes rather than hanging a job that
+# was meant to run for days. PyTorch's NCCL default is the same 10 minutes.
+DEFAULT_TIMEOUT_SECONDS = 600
+
+# Group keys lie far above the small ones TensorFlow's own strategies
+# count up from 1, and within int32.
 _FIRST_GROUP_KEY = 1_000_000
-_GROUP_KEYS_PER_OPS = 1_000
-_key_blocks = itertools.count()
-_key_blocks_lock = threading.Lock()
+_GROUP_KEY_RANGE = 2**31 - 1 - _FIRST_GROUP_KEY
+# Instance keys count up from here on every replica of a group.
+_FIRST_INSTANCE_KEY = 1
+
+_groups = {}
+_groups_lock = threading.Lock()
 
 
-def new_collective_keys():
-    """A `CollectiveKeys` whose group keys no other one in this process uses."""
-    with _key_blocks_lock:
-        block = next(_key_blocks)
-    return _compat.CollectiveKeys(
-        group_key_start=_FIRST_GROUP_KEY + block * _GROUP_KEYS_PER_OPS
-    )
+def group_key(devices, group_size):
+    """The collective group key of a group, derived from what every worker
+    of the group shares: its size and the local device names (job and task
+    aside), never from how many objects a process made before.
+
+    Args:
+        devices: this process's devices in the group.
+        group_size: the devices of the whole group, on every worker.
+
+    Returns:
+        An int32 key above the range TensorFlow's own strategies use.
+    """
+    local = ",".join(_local_name(device) for device in devices)
+    digest = hashlib.sha256(f"tf_agn/{group_size}/{local}".encode()).digest()
+    return _FIRST_GROUP_KEY + int.from_bytes(digest[:8], "big") % _GROUP_KEY_RANGE
+
+
+def collective_group(devices, group_size, first_replica):
+    """This process's `CollectiveGroup` over `devices`.
+
+    Every ops object of the process that reduces over the same devices
+    shares it, and with it one sequence of instance keys, so that building
+    one more ops object (on one worker only, say) changes no key.
+    """
+    devices = tuple(devices)
+    with _groups_lock:
+        group = _groups.get(devices)
+        if group is None:
+            group = CollectiveGroup(devices, group_size, first_replica)
+            for other in _groups.values():
+                if other.key == group.key:
+                    raise RuntimeError(
+                        f"Collective groups {other.devices} and {devices} "
+                        f"hash to one key {group.key}."
+                    )
+            _groups[devices] = group
+        elif (group.size, group.first_replica) != (group_size, first_replica):
+            raise ValueError(
+                f"Devices {devices} are already in a collective group of "
+                f"{group.size} replicas starting at replica {group.first_replica}; "
+                f"received {group_size} and {first_replica}."
+            )
+        return group
 
 
 class CollectiveGroup:
@@ -54,77 +97,137 @@ class CollectiveGroup:
     replica's tensor, on that replica's device; the calls of all replicas of
     all workers meet in one collective op.
 
+    Two things keep the calls of all replicas matched:
+
+    - Instance keys are drawn when the step runs, from a counter per
+      replica (a variable on its host), not when a function is traced. All
+      replicas run the same collectives in the same order, so their
+      counters agree, whenever and however often a worker retraces, inside
+      `tf.while_loop`s (`steps_per_execution`) and `tf.cond`s alike.
+    - Every collective of a replica takes that replica's ordering token, so
+      automatic control dependencies launch them in program order: NCCL
+      deadlocks when two GPUs start the same two collectives in different
+      orders.
+
     Args:
         devices: this process's replica devices, in replica order.
         group_size: the replicas of the whole group: `len(devices)` times
             the number of workers.
         first_replica: the global replica id of `devices[0]`.
-        keys: the `CollectiveKeys` to draw the group and instance keys from.
     """
 
-    def __init__(self, devices, group_size, first_replica, keys):
+    def __init__(self, devices, group_size, first_replica):
         self.devices = tuple(devices)
         self.size = group_size
         self.first_replica = first_replica
-        self._group_key = keys.get_group_key(self.devices)
-        self._launchers = [
-            _compat.CollectiveReplicaLauncher(
-                self._group_key,
-                group_size,
-                keys,
-                device,
-                tf.distribute.experimental.CommunicationOptions(),
-            )
-            for device in self.devices
-        ]
+        self.key = group_key(self.devices, group_size)
+        self._instance_counters = [None] * len(self.devices)
+        self._ordering_tokens = [None] * len(self.devices)
+        self._lock = threading.Lock()
+
+    def _state(self, replica):
+        """Replica `replica`'s instance-key counter and ordering token,
+        made on first use, outside any function or strategy."""
+        with self._lock:
+            if self._instance_counters[replica] is None:
+                device = self.devices[replica]
+                self._instance_counters[replica] = _compat.plain_variable(
+                    _FIRST_INSTANCE_KEY, tf.int32, _host_of(device)
+                )
+                self._ordering_tokens[replica] = _compat.plain_variable(
+                    0.0, tf.float32, device
+                )
+        return self._instance_counters[replica], self._ordering_tokens[replica]
+
+    def _launch(self, replica):
+        """The next instance key and the ordering token of `replica`."""
+        counter, token = self._state(replica)
+        with tf.device(counter.device):
+            instance_key = counter.assign_add(1) - 1
+        return instance_key, [token.handle]
 
     def all_reduce(self, replica, tensor, options):
         """Sums `tensor` over the group; call once per local replica."""
-        return self._launchers[replica].all_reduce(tensor, options=options)
-
-    def broadcast(self, replica, tensor, options):
-        """Global replica 0's `tensor`, on every replica.
-
-        Every replica passes a tensor of the shape and dtype to receive;
-        only replica 0's values are read.
-        """
-        launcher = self._launchers[replica]
-        instance_key = _compat.next_instance_key(launcher)
-        hint = options.implementation.value
-        timeout = options.timeout_seconds or 0
-        if tensor.dtype == tf.bfloat16:
-            # The broadcast ops take no bfloat16; they copy bits, so the
-            # same 16 bits travel as float16 and come back unchanged.
-            with tf.device(self.devices[replica]):
-                as_half = tf.bitcast(tensor, tf.float16)
-            received = self.broadcast(replica, as_half, options)
-            with tf.device(self.devices[replica]):
-                return tf.bitcast(received, tf.bfloat16)
+        instance_key, ordering_token = self._launch(replica)
         with tf.device(self.devices[replica]):
-            if self.first_replica + replica == 0:
-                return tf.raw_ops.CollectiveBcastSendV2(
-                    input=tensor,
-                    group_size=self.size,
-                    group_key=self._group_key,
-                    instance_key=instance_key,
-                    communication_hint=hint.lower(),
-                    timeout_seconds=timeout,
-                )
-            return tf.raw_ops.CollectiveBcastRecvV2(
+            return tf.raw_ops.CollectiveReduceV2(
+                input=tensor,
                 group_size=self.size,
-                group_key=self._group_key,
+                group_key=self.key,
                 instance_key=instance_key,
-                shape=tf.shape(tensor),
-                T=tensor.dtype,
-                communication_hint=hint.lower(),
-                timeout_seconds=timeout,
+                ordering_token=ordering_token,
+                merge_op="Add",
+                final_op="Id",
+                communication_hint=_hint(options),
+                timeout_seconds=options.timeout_seconds or 0,
             )
+
+    def all_gather(self, replica, tensor, options):
+        """Every replica's `tensor`, concatenated along the first axis in
+        global replica order; every replica passes the same shape."""
+        instance_key, ordering_token = self._launch(replica)
+        with tf.device(self.devices[replica]):
+            return tf.raw_ops.CollectiveGatherV2(
+                input=tensor,
+                group_size=self.size,
+                group_key=self.key,
+                instance_key=instance_key,
+                ordering_token=ordering_token,
+                communication_hint=_hint(options),
+                timeout_seconds=options.timeout_seconds or 0,
+            )
+
+    def all_gather_rows(self, replica, tensors, options):
+        """Every replica's rows of each of `tensors`, concatenated in
+        global replica order.
+
+        The tensors of one replica share their number of rows (the first
+        dimension), which may differ between replicas: the counts travel
+        first, then every replica's rows padded to the longest.
+
+        Returns:
+            One tensor per entry of `tensors`.
+        """
+        device = self.devices[replica]
+        with tf.device(device):
+            count = tf.shape(tensors[0], out_type=tf.int32)[:1]
+        counts = self.all_gather(replica, count, options)
+        gathered = []
+        with tf.device(device):
+            longest = tf.reduce_max(counts)
+            keep = tf.reshape(tf.range(longest)[None, :] < counts[:, None], [-1])
+        for tensor in tensors:
+            with tf.device(device):
+                padding = [[0, longest - count[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
+                padded = tf.pad(tensor, padding)
+            rows = self.all_gather(replica, padded, options)
+            with tf.device(device):
+                gathered.append(tf.boolean_mask(rows, keep))
+        return gathered
 
     def all_gather_slices(self, replica, slices, options):
         """Every replica's rows and indices of `slices`, concatenated."""
-        return self._launchers[replica].all_reduce_indexed_slices(
-            slices, options=options
+        values, indices = self.all_gather_rows(
+            replica, [slices.values, slices.indices], options
         )
+        return tf.IndexedSlices(values, indices, slices.dense_shape)
+
+
+def _hint(options):
+    return options.implementation.value.lower()
+
+
+def _local_name(device):
+    """`device` without its job, replica and task: the same on every worker."""
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+
+
+def _host_of(device):
+    """The CPU of `device`'s task, where collectives read instance keys."""
+    return tf.DeviceSpec.from_string(device).replace(
+        device_type="CPU", device_index=0
+    ).to_string()
 
 
 def default_implementation(devices):

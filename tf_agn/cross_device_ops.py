@@ -52,7 +52,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
       TensorFlow collective all-reduce per pack (NCCL on GPUs, a ring on
       CPUs and across workers) sums the buffers of all replicas of all
       workers; every replica splits the result in one XLA-compiled call.
-      ONLY_FIRST_REPLICA is a collective broadcast of replica 0's pack.
+      ONLY_FIRST_REPLICA is an all-reduce to which only replica 0 adds its
+      pack (the others add zeros), so that it is ordered like the rest.
 
     "auto" (the default) takes "collective" across workers and on physical
     GPUs, and "local" for devices of one process that share host memory.
@@ -103,7 +104,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         transport: "auto", "local" or "collective".
         timeout_seconds: for "collective": how long a collective may wait
             for its peers before it fails with `DeadlineExceededError`;
-            None waits for ever.
+            default `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS` (600 s), so
+            that a lost peer or a worker that calls collectives in another
+            order fails instead of hanging; None or 0 waits for ever.
         implementation: for "collective": a
             `tf.distribute.experimental.CommunicationImplementation` or its
             name ("auto", "ring", "nccl"); AUTO is NCCL on GPUs, RING
@@ -129,7 +132,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         reduce_to_device=None,
         flatten_packs="auto",
         transport="auto",
-        timeout_seconds=None,
+        timeout_seconds=collective.DEFAULT_TIMEOUT_SECONDS,
         implementation="auto",
         num_workers=1,
         worker_index=0,
@@ -183,8 +186,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             timeout_seconds=timeout_seconds,
             implementation=_parse_implementation(implementation),
         )
-        self._collective_keys = collective.new_collective_keys()
-        self._groups = {}
+        # One function per kind of eager call, so that repeated eager calls
+        # do not retrace (see `_run_collectives`).
+        self._eager_functions = {}
         # Collectives of one batch must be launched by one thread at a time,
         # or two batches could interleave differently on two devices.
         self._lock = threading.Lock()
@@ -218,11 +222,31 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         return _mirror(tensor, self._devices(destinations))
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        del options
         devices = self._devices(destinations, per_replica_value)
-        with tf.device(self.reduce_to_device or devices[0]):
-            gathered = tf.concat(per_replica_value.values, axis=axis)
-        return _mirror(gathered, devices)
+        if self.num_workers == 1:
+            with tf.device(self.reduce_to_device or devices[0]):
+                gathered = tf.concat(per_replica_value.values, axis=axis)
+            return _mirror(gathered, devices)
+        # Across workers every replica all-gathers; each worker's result
+        # holds every replica of every worker, in global replica order.
+        sources = self._source_devices(per_replica_value, destinations)
+        options, _ = self._options(options, sources)
+        group = self._group(sources)
+        axis = _static_axis(axis)
+
+        def launch(per_replica_inputs):
+            return [
+                [_gather_along(group, replica, tensor, axis, options)]
+                for replica, (tensor,) in enumerate(per_replica_inputs)
+            ]
+
+        per_replica = self._run_collectives(
+            ("gather", axis, _options_key(options)),
+            launch,
+            [[v] for v in per_replica_value.values],
+            sources,
+        )
+        return self._regroup([r[0] for r in per_replica], sources, devices)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         """One replica's all-reduce, in replica context, without merge_call.
@@ -276,6 +300,16 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             return [_scale_per_replica(v, value_scale) for v in values]
         sources = self._source_devices(values[0], destinations[0])
         options, transport = self._options(options, sources)
+        if transport == "collective" and len(set(sources)) < len(sources):
+            if self.num_workers > 1:
+                raise ValueError(
+                    f"Cannot tell which device each of {len(sources)} replicas' "
+                    f"values belongs to (they are on {sorted(set(sources))}): "
+                    "make them inside the strategy's scope or strategy.run."
+                )
+            # One process: the local transport gives the same numbers
+            # without needing each replica's device.
+            transport = "local"
         if transport == "collective":
             return self._collective(method, values, destinations, value_scale, options)
         return self._local(method, values, destinations, value_scale, options)
@@ -397,35 +431,58 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         sources = self._source_devices(values[0], destinations[0])
         group = self._group(sources)
 
-        def launch():
-            per_replica = [
+        def launch(per_replica_inputs):
+            return [
                 self._collective_replica(
-                    method, r, [v.values[r] for v in values], group, value_scale, options
+                    method, replica, tensors, group, value_scale, options
                 )
-                for r in range(len(sources))
+                for replica, tensors in enumerate(per_replica_inputs)
             ]
-            return [list(results) for results in zip(*per_replica)]
 
+        per_replica = self._run_collectives(
+            ("aggregate", method, value_scale, _options_key(options)),
+            launch,
+            [[v.values[r] for v in values] for r in range(len(sources))],
+            sources,
+        )
+        return [
+            self._regroup(replicas, sources, self._devices(destination, value))
+            for value, destination, replicas in zip(
+                values, destinations, zip(*per_replica)
+            )
+        ]
+
+    def _run_collectives(self, key, launch, per_replica_inputs, sources):
+        """Runs `launch(per_replica_inputs)`, which issues every local
+        replica's collectives, and returns its per-replica results.
+
+        Traced (inside `fit`'s step), `launch` becomes part of the caller's
+        graph. Eagerly, replica 0's collective would block before replica
+        1's is launched, so one function launches them all at once; it is
+        made once per `key` (what `launch` closes over besides its
+        argument), so eager calls do not retrace. A function's eager
+        outputs report the caller's device, so each is then pinned to its
+        replica's.
+        """
         with self._lock:
             if not tf.executing_eagerly():
-                per_value = launch()
-            else:
-                # Eagerly, replica 0's collective would block before replica
-                # 1's is launched: one graph launches them all at once. A
-                # function's eager outputs report the caller's device, so
-                # each is then pinned to its replica's.
-                per_value = [
-                    [_on(device, t) for device, t in zip(sources, replicas)]
-                    for replicas in tf.function(launch, autograph=False)()
-                ]
-        results = []
-        for value, destination, replicas in zip(values, destinations, per_value):
-            devices = self._devices(destination, value)
-            if tuple(devices) == tuple(sources):
-                results.append(_compat.regroup(tuple(replicas), wrap_class=_compat.Mirrored))
-            else:
-                results.append(_mirror(replicas[0], devices))
-        return results
+                return launch(per_replica_inputs)
+            key = (key, tuple(sources))
+            function = self._eager_functions.get(key)
+            if function is None:
+                function = tf.function(launch, autograph=False)
+                self._eager_functions[key] = function
+            outputs = function(per_replica_inputs)
+        return [
+            [_on(device, t) for t in replica_outputs]
+            for device, replica_outputs in zip(sources, outputs)
+        ]
+
+    def _regroup(self, replicas, sources, devices):
+        """One value's per-replica results, on `devices`."""
+        if tuple(devices) == tuple(sources):
+            return _compat.regroup(tuple(replicas), wrap_class=_compat.Mirrored)
+        return _mirror(replicas[0], devices)
 
     def _collective_replica(self, method, replica, tensors, group, value_scale, options):
         """Replica `replica`'s part of combining `tensors` across `group`.
@@ -456,26 +513,26 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             scale = _method_scale(method, dtype, group.size, value_scale)
             wire = self._wire_dtype(dtype)
             with tf.device(device):
-                flat = packing.flatten(like, wire, scale, jit_compile=jit)
-                if method is AggregationMethod.ONLY_FIRST_REPLICA:
-                    flat = group.broadcast(replica, flat, options)
+                if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
+                    # Replica 0's pack travels as an all-reduce to which the
+                    # others add zeros: TensorFlow's broadcast ops take no
+                    # ordering token, and unordered collectives can deadlock
+                    # NCCL. x + 0 is exact, inf and NaN included.
+                    flat = tf.zeros([_num_elements(like)], wire)
                 else:
-                    flat = group.all_reduce(replica, flat, options)
+                    flat = packing.flatten(like, wire, scale, jit_compile=jit)
+                flat = group.all_reduce(replica, flat, options)
                 combined = packing.unflatten(flat, like, dtype, jit_compile=jit)
             for index, tensor in zip(pack, combined):
                 results[index] = tensor
         return results
 
     def _group(self, devices):
-        devices = tuple(devices)
-        if devices not in self._groups:
-            self._groups[devices] = collective.CollectiveGroup(
-                devices,
-                group_size=len(devices) * self.num_workers,
-                first_replica=self.worker_index * len(devices),
-                keys=self._collective_keys,
-            )
-        return self._groups[devices]
+        return collective.collective_group(
+            devices,
+            group_size=len(devices) * self.num_workers,
+            first_replica=self.worker_index * len(devices),
+        )
 
     # Shared helpers.
 
@@ -522,7 +579,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         among the devices of the strategy in scope.
         """
         devices = _compat.get_devices_from(value, self._canonicalize_devices)
-        if all(devices):
+        # Replicas on one device (values made eagerly outside the replicas'
+        # scopes, all on the default device) do not say where they belong.
+        if all(devices) and len(set(devices)) == len(devices):
             return devices
         candidates = []
         if destinations is not None and _compat.check_destinations(destinations):
@@ -532,13 +591,47 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         if tf.distribute.has_strategy():
             candidates.append(tf.distribute.get_strategy().extended.worker_devices)
         for known in candidates:
-            if len(known) == len(devices) and all(known):
+            if len(known) == len(devices) and all(known) and len(set(known)) == len(known):
                 return tuple(known)
+        if all(devices):
+            return devices  # Where they are, though it says nothing of replicas.
         raise ValueError(
             f"{len(devices)} values without a device, and neither the "
             "destinations nor a strategy in scope name as many devices: "
             "cannot tell where they are."
         )
+
+
+def _options_key(options):
+    """The fields of `CommunicationOptions` a launch depends on."""
+    return (options.bytes_per_pack, options.timeout_seconds, options.implementation)
+
+
+def _static_axis(axis):
+    value = tf.get_static_value(axis)
+    if value is None:
+        raise ValueError(f"gather needs an axis known while tracing; received {axis!r}.")
+    return int(value)
+
+
+def _gather_along(group, replica, tensor, axis, options):
+    """Replica `replica`'s all-gather of `tensor` along `axis`: every
+    replica's slices, which may differ in length along `axis`."""
+    with tf.device(group.devices[replica]):
+        rank = tensor.shape.rank
+        axis = axis % rank
+        perm = [axis] + [d for d in range(rank) if d != axis]
+        rows = tf.transpose(tensor, perm) if axis else tensor
+    (gathered,) = group.all_gather_rows(replica, [rows], options)
+    if not axis:
+        return gathered
+    with tf.device(group.devices[replica]):
+        return tf.transpose(gathered, [perm.index(d) for d in range(rank)])
+
+
+def _num_elements(tensors):
+    """How many elements `tensors` hold together, as a scalar tensor."""
+    return tf.add_n([tf.size(t) for t in tensors])
 
 
 def _is_positive_int(value):

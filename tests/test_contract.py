@@ -1,0 +1,60 @@
+"""The whole `CrossDeviceOps` contract, for every transport, eager and
+traced, against TensorFlow's `ReductionToOneDevice` on the same 4 logical
+CPU replicas (tests/contract.py lists what is called), and tf_agn's
+`aggregate` with many packs against numpy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from conftest import DEVICES
+from contract import aggregate_results
+from contract import contract_results
+from contract import reference_methods
+
+# float16 sums round once per addition, in another order than
+# ReductionToOneDevice's.
+RTOL = {"reduce_half_mean": 2e-3, "batch_1_host": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    strategy = tf.distribute.MirroredStrategy(
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    return {traced: contract_results(strategy, traced) for traced in (False, True)}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("transport", ["local", "collective"])
+def test_contract_matches_reduction_to_one_device(reference, transport, traced):
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
+    got = contract_results(strategy, traced)
+    want = reference[traced]
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert len(got[name]) == len(want[name]), name
+        for replica, (g, w) in enumerate(zip(got[name], want[name])):
+            np.testing.assert_allclose(
+                g, w, rtol=RTOL.get(name, 1e-6), err_msg=f"{name}, replica {replica}"
+            )
+    # Integers past float16's and float32's exact range stay exact.
+    np.testing.assert_array_equal(got["reduce_integers"][0], [10, 280000])
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("transport", ["local", "collective"])
+def test_aggregate_many_packs_dense_and_sparse(transport, traced):
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
+    ops = tf_agn.AggregatingAllReduce(transport=transport, bytes_per_pack=64)
+    got = aggregate_results(ops, strategy, traced)
+    wants = [reference_methods(len(DEVICES), r) for r in range(len(DEVICES))]
+    for name in wants[0]:
+        # A function returns a `Mirrored` result as its one primary copy.
+        expected_copies = len(DEVICES) if name.startswith("none") or not traced else 1
+        assert len(got[name]) == expected_copies, name
+        for replica, array in enumerate(got[name]):
+            np.testing.assert_allclose(
+                array, wants[replica][name], rtol=1e-6, err_msg=f"{name}, replica {replica}"
+            )
