@@ -279,6 +279,40 @@ def test_strategies_with_collective_transports_do_not_collide():
             assert_results(results, reference(AggregationMethod.SUM, arrays), 1e-6)
 
 
+def test_eager_calls_do_not_retrace():
+    """Eagerly every call of one kind runs one function, traced once."""
+    strategy, ops = strategy_for(transport="collective")
+    arrays = replica_arrays(tf.float32, shapes=[(4, 3), (5,)])
+    for round_ in range(3):
+        results = ops.aggregate("mean", distribute(strategy, arrays))
+        assert_results(results, reference(AggregationMethod.MEAN, arrays), 1e-6)
+    (function,) = ops._eager_functions.values()
+    assert function.experimental_get_tracing_count() == 1
+
+
+def test_collective_keys_come_from_the_group_not_from_how_many_ops_exist():
+    """Every worker derives the same group key for its part of a group
+    (the task differs, the local devices do not); other groups differ."""
+    def on_task(task, indices):
+        return [f"/job:worker/replica:0/task:{task}/device:CPU:{i}" for i in indices]
+
+    key = collective.group_key(on_task(0, [0, 1]), group_size=4)
+    assert collective.group_key(on_task(1, [0, 1]), group_size=4) == key
+    assert collective.group_key(on_task(0, [0, 1]), group_size=2) != key
+    assert collective.group_key(on_task(0, [0]), group_size=4) != key
+    # Building more ops objects changes nothing: they share the group.
+    before = collective.collective_group(DEVICES, len(DEVICES), 0)
+    for _ in range(3):
+        AggregatingAllReduce(transport="collective")
+    assert collective.collective_group(DEVICES, len(DEVICES), 0) is before
+
+
+def test_collectives_time_out_by_default():
+    assert collective.DEFAULT_TIMEOUT_SECONDS == 600
+    assert AggregatingAllReduce().options.timeout_seconds == 600
+    assert AggregatingAllReduce(timeout_seconds=None).options.timeout_seconds is None
+
+
 def test_collective_timeout_turns_a_missing_peer_into_an_error():
     """A group of 2 workers whose second never comes: the caller's
     `timeout_seconds` ends the wait with DeadlineExceededError. A collective

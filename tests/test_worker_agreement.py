@@ -15,9 +15,13 @@ import sys
 import time
 
 import pytest
+import tensorflow as tf
 
+import tf_agn
 from test_multi_worker import _free_ports
 from test_multi_worker import _worker_env
+from tf_agn import agreement
+from tf_agn.strategies import rendezvous
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings_worker.py")
 MIB = 2**20
@@ -130,3 +134,33 @@ def test_sigterm_stops_a_worker_once_its_strategy_exists():
         for index in range(2):
             code, out = workers.finish(index, timeout=15)
             assert code == -signal.SIGTERM, out
+
+
+def test_disagreement_names_the_first_differing_field_and_every_value():
+    ops = tf_agn.AggregatingAllReduce(transport="collective", num_workers=3, worker_index=0)
+    other = tf_agn.AggregatingAllReduce(
+        transport="collective", num_workers=3, worker_index=1, compression="fp16"
+    )
+    devices = ["/device:CPU:0"]
+    same = agreement.settings_codes(ops, devices)
+    assert agreement.disagreement([same, same, same]) is None
+    differs = agreement.settings_codes(other, devices)
+    message = agreement.disagreement([same, differs, same])
+    assert message.startswith(
+        "Workers disagree on compression: worker 0 has None, worker 1 has "
+        "'fp16', worker 2 has None."
+    )
+    assert agreement._version_text(agreement._version_code("1.23.4")) == "1.23.4"
+
+
+def test_peers_are_every_other_chief_and_worker():
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(
+            {"chief": ["a:1"], "worker": ["b:2", "c:3"], "ps": ["d:4"]}
+        ),
+        task_type="worker",
+        task_id=1,
+    )
+    peers, own = rendezvous.peers_of(resolver)
+    assert peers == [("chief 0", "a:1"), ("worker 0", "b:2")]
+    assert own == "c:3"

@@ -66,26 +66,20 @@ def collective_group(devices, group_size, first_replica):
     """This process's `CollectiveGroup` over `devices`.
 
     Every ops object of the process that reduces over the same devices
-    shares it, and with it one sequence of instance keys, so that building
-    one more ops object (on one worker only, say) changes no key.
+    (however their names are spelled) shares it, and with it one sequence
+    of instance keys, so that building one more ops object (on one worker
+    only, say) changes no key.
     """
-    devices = tuple(devices)
+    key = group_key(devices, group_size)
     with _groups_lock:
-        group = _groups.get(devices)
+        group = _groups.get(key)
         if group is None:
-            group = CollectiveGroup(devices, group_size, first_replica)
-            for other in _groups.values():
-                if other.key == group.key:
-                    raise RuntimeError(
-                        f"Collective groups {other.devices} and {devices} "
-                        f"hash to one key {group.key}."
-                    )
-            _groups[devices] = group
-        elif (group.size, group.first_replica) != (group_size, first_replica):
+            group = _groups[key] = CollectiveGroup(devices, group_size, first_replica)
+        elif group.first_replica != first_replica:
             raise ValueError(
-                f"Devices {devices} are already in a collective group of "
-                f"{group.size} replicas starting at replica {group.first_replica}; "
-                f"received {group_size} and {first_replica}."
+                f"Devices {tuple(devices)} are already in a collective group "
+                f"whose first replica is {group.first_replica}; received "
+                f"{first_replica}."
             )
         return group
 
