@@ -31,7 +31,16 @@ OUT_DIR/worker<i>.npz with:
         `tf.IndexedSlices` of `replica_slices`;
     keras_fix/stock, keras_fix/ours: the error the stock strategy's
         `reduce` raises on the two calls Keras's `fit` makes, and ours
-        ("" for none).
+        ("" for none);
+    steps_per_execution_3/<i>: MEAN's weights with three steps per call;
+    contract/<eager|traced>/<name>/<copy>, many_packs/<eager|traced>/...:
+        tests/contract.py's results on this worker;
+    predict, evaluate: the untrained model's `predict` on 40 rows and its
+        `evaluate` (loss, mae).
+
+Worker 0 builds two more `AggregatingAllReduce` objects than the others
+before its strategy, as a chief-only evaluation strategy would: collective
+keys must not depend on that.
 
 Sharding is explicit: through `distribute_datasets_from_function`, input
 pipeline p yields, for every global batch, its p-th consecutive slice of

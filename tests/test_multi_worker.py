@@ -7,7 +7,10 @@ The workers (tests/multi_worker_worker.py) train the test MLP of
 test_optimizers.py once per aggregation method with `model.fit`, run every
 method, dtype and compression through the ops, and try the two reductions
 Keras's `fit` makes, in a single cluster start; the checks below compare
-what each wrote with numpy references.
+what each wrote with numpy references. They also run the whole
+`CrossDeviceOps` contract (tests/contract.py), `predict`, `evaluate` and
+`steps_per_execution=3`, with worker 0 having built two more ops objects
+than the others.
 """
 
 import json
