@@ -191,15 +191,24 @@ def test_save_and_load_mid_window_resumes_the_window(tmp_path):
     assert_weights_close(loaded, tf_agn.replica_weights(uninterrupted), atol=1e-5)
 
 
-def overflowing(x, y, micro_step, replicas):
-    """Copies of x, y whose `micro_step`-th batch overflows float16 on
-    `replicas` (targets far beyond what a scaled float16 gradient holds)."""
+def overflowing(x, y, micro_step, replicas, target=1e4):
+    """Copies of x, y whose `micro_step`-th batch has `target` as targets on
+    `replicas`; the default is far beyond what a scaled float16 gradient
+    holds."""
     y = y.copy()
     shard = BATCH // NUM_REPLICAS
     for r in replicas:
         start = micro_step * BATCH + r * shard
-        y[start : start + shard] = 1e4
+        y[start : start + shard] = target
     return x, y
+
+
+def without(x, y, micro_steps):
+    """x, y without the batches of `micro_steps`."""
+    keep = np.ones(len(x), bool)
+    for step in micro_steps:
+        keep[step * BATCH : (step + 1) * BATCH] = False
+    return x[keep], y[keep]
 
 
 @pytest.fixture
@@ -209,35 +218,37 @@ def mixed_precision():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def test_mixed_precision_overflow(mixed_precision):
-    """An overflow Keras' LossScaleOptimizer sees (on replica 0) drops that
-    micro-step and halves the loss scale, as without accumulation; one it
-    does not see (on another replica) reaches the accumulators and skips
-    the whole window. The weights never take a non-finite value."""
+def sgd_accumulating():
+    return tf_agn.optimizers.SGD(LEARNING_RATE, gradient_accumulation_steps=STEPS)
+
+
+# Replica 0 overflowing is what Keras' LossScaleOptimizer sees by itself;
+# replica 2 alone, what tf_agn makes every replica agree on.
+@pytest.mark.parametrize("micro_step, replicas", [(1, range(NUM_REPLICAS)), (5, [2])])
+def test_mixed_precision_overflow_drops_the_micro_step(
+    mixed_precision, micro_step, replicas
+):
+    """An overflow on any replica drops that micro-step on every replica
+    and halves the loss scale, as without accumulation; the window goes on
+    with the next micro-step. The weights never take a non-finite value."""
     x, y = data(3 * STEPS)
-    optimizer_fn = lambda: tf_agn.optimizers.SGD(  # noqa: E731
-        LEARNING_RATE, gradient_accumulation_steps=STEPS
-    )
-
-    def without(micro_steps):
-        keep = np.ones(len(x), bool)
-        for step in micro_steps:
-            keep[step * BATCH : (step + 1) * BATCH] = False
-        return x[keep], y[keep]
-
-    # Replica 0 overflows in micro-step 1: that micro-batch is dropped.
-    seen = fit(optimizer_fn, *overflowing(x, y, 1, range(NUM_REPLICAS)))
-    dropped = fit(optimizer_fn, *without([1]))
-    assert_weights_close(seen, tf_agn.replica_weights(dropped), atol=1e-6)
+    overflowed = fit(sgd_accumulating, *overflowing(x, y, micro_step, replicas))
+    dropped = fit(sgd_accumulating, *without(x, y, [micro_step]))
+    assert_weights_close(overflowed, tf_agn.replica_weights(dropped), atol=1e-6)
     initial_scale = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()).initial_scale
-    assert float(seen.optimizer.dynamic_scale.numpy()) == initial_scale / 2
+    assert float(overflowed.optimizer.dynamic_scale.numpy()) == initial_scale / 2
 
-    # Only replica 2 overflows in micro-step 5 (the second window): that
-    # window is skipped, and the last micro-steps start the third.
-    unseen = fit(optimizer_fn, *overflowing(x, y, 5, [2]))
-    skipped = fit(optimizer_fn, *without(range(STEPS, 2 * STEPS)))
-    assert_weights_close(unseen, tf_agn.replica_weights(skipped), atol=1e-6)
-    for weights in tf_agn.replica_weights(unseen):
+
+def test_a_non_finite_window_is_skipped():
+    """Without a loss scale to catch it (float32), a non-finite gradient on
+    one replica reaches the accumulators, and the whole window is skipped."""
+    x, y = data(3 * STEPS)
+    # Only replica 2, in micro-step 5 (the second window); the last
+    # micro-steps start the third.
+    poisoned = fit(sgd_accumulating, *overflowing(x, y, 5, [2], target=np.inf))
+    skipped = fit(sgd_accumulating, *without(x, y, range(STEPS, 2 * STEPS)))
+    assert_weights_close(poisoned, tf_agn.replica_weights(skipped), atol=1e-6)
+    for weights in tf_agn.replica_weights(poisoned):
         assert all(np.isfinite(w).all() for w in weights)
 
 

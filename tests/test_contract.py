@@ -1,8 +1,10 @@
 """The whole `CrossDeviceOps` contract, for every transport, eager and
 traced, against TensorFlow's `ReductionToOneDevice` on the same 4 logical
-CPU replicas (tests/contract.py lists what is called), and tf_agn's
-`aggregate` with many packs against numpy."""
+CPU replicas (tests/contract.py lists what is called), tf_agn's
+`aggregate` with many packs against numpy, and `steps_per_execution > 1`
+against one step per call."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -58,3 +60,29 @@ def test_aggregate_many_packs_dense_and_sparse(transport, traced):
             np.testing.assert_allclose(
                 array, wants[replica][name], rtol=1e-6, err_msg=f"{name}, replica {replica}"
             )
+
+
+@pytest.mark.parametrize("transport", ["local", "collective"])
+def test_steps_per_execution_3_matches_one_step_per_call(transport):
+    """Three steps per call put the collectives inside Keras's
+    tf.while_loop and tf.cond; the weights equal one step per call's."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((96, 5)).astype(np.float32)
+    y = np.sin(x.sum(1, keepdims=True))
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
+    weights = {}
+    for steps in (1, 3):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
+            )
+            model.compile(
+                optimizer=tf_agn.optimizers.Adam(0.01), loss="mse", steps_per_execution=steps
+            )
+        initial = model.get_weights()
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights[steps] = model.get_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(weights[1], initial)) > 0.01
+    for a, b in zip(weights[3], weights[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

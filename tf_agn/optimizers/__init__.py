@@ -1,5 +1,6 @@
 """tf_agn's Keras 3 optimizers."""
 
+from tf_agn.optimizers import loss_scaling
 from tf_agn.optimizers.aggregating import SGD
 from tf_agn.optimizers.aggregating import Adam
 from tf_agn.optimizers.aggregating import AdamW
@@ -13,3 +14,7 @@ from tf_agn.optimizers.downpour import DynSGD
 from tf_agn.optimizers.elastic import AEASGD
 from tf_agn.optimizers.elastic import EAMSGD
 from tf_agn.optimizers.windowed import WindowedOptimizer
+
+# Keras' LossScaleOptimizer, which `compile` puts around these under mixed
+# precision, then skips a step on every replica when any replica overflows.
+loss_scaling.install()

@@ -13,8 +13,11 @@ in replica context:
    micro-steps by default, or their sum) and combine it across replicas
    once, with the optimizer's aggregation method: 1/k of the bytes;
 3. if the combined gradient is finite, clip it, apply weight decay and
-   update the weights, once; if it is not (any replica overflowed in any
-   micro-step), skip the whole window;
+   update the weights, once; if it is not (some replica's gradient was not
+   finite in some micro-step), skip the whole window. Under mixed
+   precision, Keras' `LossScaleOptimizer` drops such a micro-step on every
+   replica before it reaches the accumulators (see
+   `tf_agn.optimizers.loss_scaling`);
 4. reset the accumulators.
 
 With MEAN and the default `accumulation_reduction="mean"` the applied step

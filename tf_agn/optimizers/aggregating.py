@@ -14,6 +14,7 @@ from tf_agn.optimizers.accumulation import accumulate_and_apply
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
+from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate_gradients
 from tf_agn.replica_aggregation import default_aggregation
 
@@ -110,6 +111,21 @@ class Aggregating:
             `tf_agn.CommunicationCounter` for what counts.
         """
         return communication_stats(self)
+
+    def all_replicas_finite(self, grads):
+        """Whether every replica's gradients are finite, agreed by all.
+
+        Keras' `LossScaleOptimizer` asks this before applying a step (see
+        `tf_agn.optimizers.loss_scaling`), so that an overflow on any
+        replica skips the step on every replica and lowers the loss scale.
+
+        Args:
+            grads: this replica's gradients, as given to `apply`.
+
+        Returns:
+            A scalar boolean tensor, the same on every replica.
+        """
+        return all_replicas_finite(grads, self._communication)
 
     def add_variable_from_reference(
         self, reference_variable, name=None, initializer="zeros"

@@ -130,6 +130,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         self.inner_optimizer.apply(grads, trainable_variables)
 
+    def all_replicas_finite(self, grads):
+        """See `tf_agn.optimizers.Aggregating.all_replicas_finite`."""
+        return self.inner_optimizer.all_replicas_finite(grads)
+
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 

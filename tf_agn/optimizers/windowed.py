@@ -11,6 +11,7 @@ from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
 from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
+from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
 
@@ -172,9 +173,17 @@ class WindowedOptimizer(DistributedOptimizer):
 
         Returns:
             `{"all_reduce_calls": int, "bytes_sent": int}`; local steps send
-            nothing.
+            nothing, but under mixed precision each sends one float32 (see
+            `all_replicas_finite`).
         """
         return communication_stats(self)
+
+    def all_replicas_finite(self, grads):
+        """See `tf_agn.optimizers.Aggregating.all_replicas_finite`: even a
+        local step is skipped on every replica when one overflows, because
+        the loss scale is shared. Counted in this optimizer's own
+        `communication_stats`."""
+        return all_replicas_finite(grads, self._communication)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
