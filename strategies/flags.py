@@ -24,13 +24,11 @@ if __name__ == "__main__":
 4 logical CPU devices whose gradients are summed.
 """
 
-import json
-import os
-
 from absl import flags
 import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.strategies import tf_config
 from tf_agn.strategies.mirrored import mirrored
 from tf_agn.strategies.mirrored import split_cpu
 from tf_agn.strategies.multi_worker import multi_worker_mirrored
@@ -109,11 +107,13 @@ def strategy_from_flags(flag_values=flags.FLAGS):
         A `tf.distribute.MirroredStrategy` (or its multi-worker kind).
 
     Raises:
-        ValueError: if `--num_replicas` exceeds the number of devices.
+        ValueError: if `--num_replicas` exceeds the number of devices, or
+            `TF_CONFIG` is not valid JSON or names a task outside its
+            cluster.
         RuntimeError: if the CPU must be split but TensorFlow already runs
             with a different number of CPU devices.
     """
-    if _is_multi_worker_task(os.environ.get("TF_CONFIG")):
+    if _is_multi_worker_task(tf_config.load()):
         # Each worker replicates on its GPUs, or its one CPU.
         return multi_worker_mirrored(aggregation=flag_values.aggregation)
     if tf.config.list_physical_devices("GPU"):
@@ -134,12 +134,11 @@ def strategy_from_flags(flag_values=flags.FLAGS):
     return mirrored(devices[:num_replicas], aggregation=flag_values.aggregation)
 
 
-def _is_multi_worker_task(tf_config):
-    """Whether `TF_CONFIG` (its text) makes this process a worker of a
-    multi-worker cluster (not a parameter-server one)."""
-    if not tf_config or not tf_config.strip():
+def _is_multi_worker_task(config):
+    """Whether `TF_CONFIG` (parsed, or None) makes this process a worker of
+    a multi-worker cluster (not a parameter-server one)."""
+    if config is None:
         return False
-    config = json.loads(tf_config)
     cluster = config.get("cluster", {})
     task_type = config.get("task", {}).get("type")
     workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))

@@ -1,5 +1,7 @@
 """Building a `MirroredStrategy` that aggregates with tf_agn's ops."""
 
+import numbers
+
 import tensorflow as tf
 
 from tf_agn.cross_device_ops import AggregatingAllReduce
@@ -55,10 +57,45 @@ def mirrored(devices=None, aggregation="mean", **ops_kwargs):
         A `tf.distribute.MirroredStrategy`.
 
     Raises:
-        ValueError: for an unknown aggregation or a bad ops argument.
+        ValueError: for an unknown aggregation or a bad ops argument, or a
+            device in `devices` or `reduce_to_device` that this process
+            does not have.
     """
     ops = AggregatingAllReduce(aggregation=aggregation, **ops_kwargs)
+    # TensorFlow places a missing device's work on the CPU without a word.
+    for device in devices or ():
+        _check_device_exists("devices", device)
+    if ops_kwargs.get("reduce_to_device") is not None:
+        _check_device_exists("reduce_to_device", ops_kwargs["reduce_to_device"])
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+
+def _check_device_exists(argument, device):
+    """Raises unless `device` names one of this process's logical devices.
+
+    Args:
+        argument: the argument that named it, for the message.
+        device: a device name, such as "/gpu:0" or "GPU:0".
+
+    Raises:
+        ValueError: naming `device` and the devices there are.
+    """
+    spec = tf.DeviceSpec.from_string(device)
+    available = tf.config.list_logical_devices()
+    for candidate in available:
+        other = tf.DeviceSpec.from_string(candidate.name)
+        if (
+            spec.job in (None, other.job)
+            and spec.device_type is not None
+            and spec.device_type.upper() == other.device_type
+            and spec.device_index in (None, other.device_index)
+        ):
+            return
+    names = ", ".join(candidate.name for candidate in available)
+    raise ValueError(
+        f"{argument} must name devices this process has ({names}); "
+        f"received {device!r}."
+    )
 
 
 def even_batch_size(batch_size, num_samples, num_replicas):
@@ -78,11 +115,20 @@ def even_batch_size(batch_size, num_samples, num_replicas):
         The batch size to pass to `fit`, `evaluate` or `predict`.
 
     Raises:
-        ValueError: if there are fewer samples than replicas.
+        ValueError: if an argument is not an int >= 1, or there are fewer
+            samples than replicas.
     """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("num_samples", num_samples),
+        ("num_replicas", num_replicas),
+    ):
+        # Integral: sizes are often numpy integers.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; received {value!r}.")
     first_batch = min(batch_size, num_samples)
     if first_batch < num_replicas:
         raise ValueError(
-            f"{num_samples} samples cannot be split across {num_replicas} " "replicas."
+            f"{num_samples} samples cannot be split across {num_replicas} replicas."
         )
     return first_batch - first_batch % num_replicas

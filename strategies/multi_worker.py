@@ -20,6 +20,7 @@ from tf_agn import _compat
 from tf_agn import agreement
 from tf_agn.cross_device_ops import AggregatingAllReduce
 from tf_agn.strategies import rendezvous
+from tf_agn.strategies import tf_config
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -120,8 +121,11 @@ def multi_worker_mirrored(
         A `KerasMultiWorkerMirroredStrategy`.
 
     Raises:
-        ValueError: for an unknown aggregation or a bad ops argument, or if
-            the workers' settings disagree.
+        ValueError: for an unknown aggregation or a bad ops argument, a
+            `TF_CONFIG` that is not valid JSON, a task that is not one of
+            the cluster's workers (or its chief), or if the workers'
+            settings disagree. All but the last are raised before anything
+            connects.
         TimeoutError: naming the workers that did not answer within
             `connect_timeout_seconds`.
     """
@@ -131,8 +135,12 @@ def multi_worker_mirrored(
             f'"collective"; received {ops_kwargs["transport"]!r}.'
         )
     if cluster_resolver is None:
+        tf_config.load()  # A clear error for a malformed TF_CONFIG.
         cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    num_workers, worker_index = _worker_count_and_index(cluster_resolver)
+        source = "TF_CONFIG"
+    else:
+        source = "cluster_resolver"
+    num_workers, worker_index = _worker_count_and_index(cluster_resolver, source)
     ops_kwargs["transport"] = "collective"
     # Built first, so that a bad argument fails before any waiting.
     ops = AggregatingAllReduce(
@@ -174,15 +182,42 @@ class _sigterm_kept:
             signal.signal(signal.SIGTERM, self._handler)
 
 
-def _worker_count_and_index(resolver):
-    """How many workers the cluster has, and this one's place among them,
-    numbered as `MultiWorkerMirroredStrategy` numbers replicas: the chief
-    first, then the workers in order."""
+def _worker_count_and_index(resolver, source):
+    """How many workers the cluster has, and this one's place among them.
+
+    They are numbered as `MultiWorkerMirroredStrategy` numbers replicas: the
+    chief first, then the workers in order.
+
+    Args:
+        resolver: the cluster resolver.
+        source: where it came from ("TF_CONFIG"), for error messages.
+
+    Returns:
+        `(num_workers, worker_index)`.
+
+    Raises:
+        ValueError: if this task is not a worker or chief of the cluster.
+    """
     jobs = resolver.cluster_spec().as_dict()
     chiefs = len(jobs.get("chief", []))
     workers = chiefs + len(jobs.get("worker", []))
     if not workers:
         return 1, 0
-    if resolver.task_type == "chief":
+    task_type = resolver.task_type
+    allowed_types = [job for job in ("chief", "worker") if jobs.get(job)]
+    if task_type not in allowed_types:
+        raise ValueError(
+            f"{source}'s task type must be one of {allowed_types}, the "
+            f"cluster's jobs of replicas; received {task_type!r}."
+        )
+    # A missing index means 0, as TF_CONFIG's readers take it.
+    task_id = resolver.task_id or 0
+    tasks = len(jobs[task_type])
+    if not 0 <= task_id < tasks:
+        raise ValueError(
+            f"{source}'s task index must be in range({tasks}), for the "
+            f"cluster's {tasks} {task_type!r} task(s); received {task_id!r}."
+        )
+    if task_type == "chief":
         return workers, 0
-    return workers, chiefs + int(resolver.task_id)
+    return workers, chiefs + task_id

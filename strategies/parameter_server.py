@@ -13,6 +13,8 @@ train with a `ParameterServerStrategy` therefore run in processes of their
 own.
 """
 
+import numbers
+
 import tensorflow as tf
 
 from tf_agn.strategies.cluster import LocalCluster
@@ -49,18 +51,28 @@ def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30
             - any `tf.distribute.experimental.partitioners.Partitioner` or
               callable TensorFlow accepts.
         connect_timeout: seconds to wait for every worker and ps to accept
-            a TCP connection before giving up.
+            a TCP connection before giving up (a number > 0).
 
     Returns:
         A `tf.distribute.experimental.ParameterServerStrategy`.
 
     Raises:
         ValueError: if `TF_CONFIG` is malformed, the cluster lacks a worker
-            or ps, or `variable_partitioner` is not one of the above.
+            or ps, `variable_partitioner` is not one of the above, or
+            `connect_timeout` is not a number > 0.
         TypeError: if `cluster` is none of the above.
         ConnectionError: if a worker or ps does not accept connections
             within `connect_timeout`; it names each such address.
     """
+    if (
+        isinstance(connect_timeout, bool)
+        or not isinstance(connect_timeout, numbers.Real)
+        or not connect_timeout > 0
+    ):
+        raise ValueError(
+            "connect_timeout must be a number of seconds > 0; received "
+            f"{connect_timeout!r}."
+        )
     resolver = _cluster_resolver(cluster)
     jobs = resolver.cluster_spec().as_dict()
     for job in ("worker", "ps"):

@@ -1,7 +1,5 @@
 """`simulate`: asynchronous training, deterministically, in one process."""
 
-import warnings
-
 import numpy as np
 import tensorflow as tf
 
@@ -12,28 +10,6 @@ from tf_agn.strategies.worker import Worker
 from tf_agn.strategies.worker import window_function
 
 ORDERS = ("round_robin", "random")
-
-
-class WorkerInputContext(tf.distribute.InputContext):
-    """The `tf.distribute.InputContext` of one virtual worker: pipeline
-    `input_pipeline_id` of `num_input_pipelines` (the workers).
-
-    Where an int is expected (`range`, indexing, `int()`), it still stands
-    for the worker's index, `simulate`'s former convention, after a
-    `DeprecationWarning`.
-    """
-
-    def __index__(self):
-        warnings.warn(
-            "simulate's dataset_fn receives a tf.distribute.InputContext; "
-            "using it as the worker index is deprecated: read "
-            "`input_context.input_pipeline_id`.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.input_pipeline_id
-
-    __int__ = __index__
 
 
 class Simulation:
@@ -87,12 +63,11 @@ def simulate(
             strategy. Its weights are the center and hold the result.
         dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
             batches, long enough for that worker's windows, as for
-            `tf_agn.strategies.fit`; here `input_context` is a
-            `WorkerInputContext`, and virtual worker i is pipeline i of n
-            (`input_context.input_pipeline_id`), so each can seed or shard
-            its own data.
-        num_workers: n, the number of virtual workers.
-        num_windows: the number of commits to simulate.
+            `tf_agn.strategies.fit`; here virtual worker i is pipeline i
+            of n (`input_context.input_pipeline_id`), so each can seed or
+            shard its own data.
+        num_workers: n, the number of virtual workers (an int >= 1).
+        num_windows: the number of commits to simulate (an int >= 1).
         order: "round_robin", "random" (seeded by `seed`), or an explicit
             sequence of `num_windows` worker indices.
         seed: the seed of the random order.
@@ -105,22 +80,27 @@ def simulate(
         A `Simulation`.
 
     Raises:
-        ValueError: for an unknown order, an order of the wrong length or
-            with bad indices, or a model not compiled with a windowed
-            optimizer.
+        TypeError: if `dataset_fn` returns something else than a
+            `tf.data.Dataset`.
+        ValueError: for a bad `num_workers` or `num_windows`, an unknown
+            order, an order of the wrong length or with bad indices, a
+            model not compiled with a windowed optimizer, or a dataset of
+            single examples or too short for its worker's windows.
     """
     optimizer = training.check_optimizer(model)
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1; received {num_workers!r}.")
+    for name, value in (("num_workers", num_workers), ("num_windows", num_windows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; received {value!r}.")
     commit_order = _commit_order(order, num_workers, num_windows, seed)
     datasets = [
         training.dataset_from(
             dataset_fn,
-            WorkerInputContext(
+            tf.distribute.InputContext(
                 num_input_pipelines=num_workers,
                 input_pipeline_id=index,
                 num_replicas_in_sync=1,
             ),
+            model,
         )
         for index in range(num_workers)
     ]
@@ -138,9 +118,12 @@ def simulate(
     for pull in pulls:
         pull()
     for window_id, index in enumerate(commit_order):
-        loss, staleness, outcome = windows[index](
-            iterators[index], tf.constant(window_id, tf.int64)
-        )
+        try:
+            loss, staleness, outcome = windows[index](
+                iterators[index], tf.constant(window_id, tf.int64)
+            )
+        except tf.errors.OutOfRangeError:
+            raise _too_short(index, commit_order, optimizer.local_steps) from None
         pulls[index]()
         simulation.order.append(index)
         simulation.losses.append(float(loss))
@@ -150,6 +133,17 @@ def simulate(
         if callback is not None:
             callback(window_id)
     return simulation
+
+
+def _too_short(worker, commit_order, local_steps):
+    """The error for worker `worker`'s dataset running out."""
+    windows = commit_order.count(worker)
+    return ValueError(
+        f"dataset_fn must give worker {worker} at least {windows * local_steps} "
+        f"batches, for its {windows} windows of local_steps={local_steps}; "
+        "received a dataset that ran out before. Make it longer, e.g. with "
+        ".repeat()."
+    )
 
 
 def _commit_order(order, num_workers, num_windows, seed):

@@ -7,9 +7,7 @@ callback, progress-bar and `History` skeleton it shares with ADL
 """
 
 import collections
-import inspect
 import math
-import warnings
 
 import keras
 import numpy as np
@@ -106,8 +104,7 @@ def fit(
             its own, given a `tf.distribute.InputContext`. As under
             TensorFlow's `ParameterServerStrategy`, workers are not in
             step, so every worker is pipeline 0 of 1: shuffle unseeded, or
-            the workers see the same order. (A `fn()` without argument is
-            the deprecated former convention.)
+            the workers see the same order.
         epochs: the number of epochs.
         steps_per_epoch: local steps per epoch, over all workers; an epoch
             is `ceil(steps_per_epoch / local_steps)` windows.
@@ -159,12 +156,12 @@ def fit(
         input_pipeline_id=0,
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
-    build_compiled_metrics(model, dataset_from(dataset_fn, input_context))
+    build_compiled_metrics(model, dataset_from(dataset_fn, input_context, model))
     manager = _checkpoint_manager(model, server, checkpoint_dir)
     applied = server.applied_windows.numpy().astype(bool)
 
     per_worker_dataset = coordinator.create_per_worker_dataset(
-        lambda: dataset_from(dataset_fn, input_context)
+        lambda: dataset_from(dataset_fn, input_context, model)
     )
     iterator = iter(per_worker_dataset)
     run_window = window_function(worker, local_steps)
@@ -309,34 +306,58 @@ def check_optimizer(model):
     return optimizer
 
 
-def dataset_from(dataset_fn, input_context):
-    """Calls a user's `dataset_fn(input_context)`.
+def dataset_from(dataset_fn, input_context, model):
+    """Calls a user's `dataset_fn(input_context)` and checks its dataset.
 
     Args:
-        dataset_fn: `fn(input_context) -> tf.data.Dataset`; a `fn()` without
-            argument, tf_agn's former convention, is called without one,
-            after a `DeprecationWarning`.
+        dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
+            batches.
         input_context: the `tf.distribute.InputContext` to pass.
+        model: the model the batches are for.
 
     Returns:
-        What `dataset_fn` returns.
+        The dataset `dataset_fn` returns.
+
+    Raises:
+        TypeError: if it returns anything but a `tf.data.Dataset`.
+        ValueError: if its elements are not `(x, y)` tuples, or its x are
+            single examples where `model` takes batches.
     """
-    try:
-        parameters = inspect.signature(dataset_fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return dataset_fn(input_context)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                  inspect.Parameter.VAR_POSITIONAL)  # fmt: skip
-    if not any(p.kind in positional for p in parameters):
-        warnings.warn(
-            "A dataset_fn without argument is deprecated and will not be "
-            "called in the next release; take TensorFlow's "
-            "`dataset_fn(input_context)` (a tf.distribute.InputContext).",
-            DeprecationWarning,
-            stacklevel=3,
+    dataset = dataset_fn(input_context)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            "dataset_fn must return a tf.data.Dataset of (x, y) batches; "
+            f"received {dataset!r}."
         )
-        return dataset_fn()
-    return dataset_fn(input_context)
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or len(spec) < 2:
+        raise ValueError(
+            "dataset_fn's dataset must hold (x, y) or (x, y, sample_weight) "
+            f"tuples; received elements {spec!r}."
+        )
+    _check_batched(spec[0], model)
+    return dataset
+
+
+def _check_batched(x_spec, model):
+    """Raises if `x_spec` is one example of what `model` takes a batch of.
+
+    Keras' own error for it ("Invalid input shape") does not say that the
+    dataset lacks a `.batch`.
+    """
+    inputs = getattr(model, "inputs", None) or []
+    x_specs = tf.nest.flatten(x_spec)
+    if len(x_specs) != len(inputs):
+        return
+    for spec, model_input in zip(x_specs, inputs):
+        example_shape = tf.TensorShape(model_input.shape[1:])
+        if spec.shape.rank is not None and example_shape.is_compatible_with(spec.shape):
+            raise ValueError(
+                "dataset_fn's dataset must hold batches: the model takes x "
+                f"of shape {tuple(model_input.shape)}; received elements of "
+                f"shape {tuple(spec.shape)}, single examples. Call "
+                ".batch(batch_size) on the dataset."
+            )
 
 
 def build_compiled_metrics(model, dataset):

@@ -97,6 +97,30 @@ def test_mean_equals_stock_keras():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["sum", "none"])
+def test_distributed_optimizer_keeps_the_method_of_the_optimizer_it_wraps(method):
+    # The strategy's default is MEAN: the wrapper must not put it in place of
+    # the wrapped optimizer's own.
+    model = fit_mlp(
+        tf_agn.strategies.mirrored(DEVICES),
+        lambda: DistributedOptimizer(
+            tf_agn.optimizers.SGD(LEARNING_RATE, aggregation_method=method)
+        ),
+    )
+    assert model.optimizer.aggregation is tf_agn.AggregationMethod.parse(method)
+    assert model.optimizer.get_config()["aggregation_method"] == method
+    assert_replicas_close(model, expected(method))
+
+
+def test_distributed_optimizer_default_is_the_strategys_as_for_drop_ins():
+    model = fit_mlp(
+        tf_agn.strategies.mirrored(DEVICES, aggregation="sum"),
+        lambda: DistributedOptimizer(keras.optimizers.SGD(LEARNING_RATE)),
+    )
+    assert model.optimizer.aggregation is tf_agn.AggregationMethod.SUM
+    assert_replicas_close(model, expected("sum"))
+
+
 def test_none_lets_replicas_drift_apart():
     strategy = tf_agn.strategies.mirrored(DEVICES)
     model = fit_mlp(

@@ -84,7 +84,7 @@ class DecoupledModel:
             GPUs, or else the first K logical CPUs.
         accumulation_steps: M, the backward passes a stage accumulates per
             optimizer step (an int >= 1).
-        schedule: "adl", "ddg" or "bp".
+        schedule: "adl", "ddg" or "bp" (in any case).
         reduction: "mean" or "sum" of the M accumulated gradients.
 
     Attributes:
@@ -100,9 +100,10 @@ class DecoupledModel:
         history: the `keras.callbacks.History` of the last `fit`.
 
     Raises:
-        ValueError: if `stages` is empty or holds something else, a device
-            is unknown or their number is not K, or `accumulation_steps`,
-            `schedule` or `reduction` is not allowed.
+        ValueError: if `stages` is not a list or tuple (one model is split
+            with `split_model` first), is empty or holds something else, a
+            device is unknown or their number is not K, or
+            `accumulation_steps`, `schedule` or `reduction` is not allowed.
     """
 
     def __init__(
@@ -113,6 +114,17 @@ class DecoupledModel:
         schedule="adl",
         reduction="mean",
     ):
+        if not isinstance(stages, (list, tuple)):
+            hint = (
+                " Cut a model into stages with tf_agn.decoupled.split_model"
+                "(model, K) first."
+                if isinstance(stages, keras.Model)
+                else ""
+            )
+            raise ValueError(
+                f"stages must be a list of the K stages; received {stages!r}."
+                + hint
+            )
         self.stages = [_as_model(stage, k) for k, stage in enumerate(stages)]
         if not self.stages:
             raise ValueError("stages must hold at least one stage; received [].")

@@ -28,7 +28,7 @@ class Schedule:
     """The timing of one of `SCHEDULES` over `num_stages` stages.
 
     Args:
-        name: "adl", "ddg" or "bp".
+        name: "adl", "ddg" or "bp", in any case, as aggregation methods.
         num_stages: K, the number of stages (an int >= 1).
 
     Raises:
@@ -36,17 +36,19 @@ class Schedule:
     """
 
     def __init__(self, name, num_stages):
-        if name not in SCHEDULES:
+        key = name.strip().lower() if isinstance(name, str) else name
+        if key not in SCHEDULES:
             raise ValueError(
-                f"Unknown schedule {name!r}. Allowed: {', '.join(SCHEDULES)}."
+                f"Unknown schedule {name!r}. Allowed: {', '.join(SCHEDULES)} "
+                "(case-insensitive)."
             )
-        self.name = name
+        self.name = key
         self.num_stages = num_stages
         last = num_stages - 1
-        if name == "adl":
+        if key == "adl":
             self.forward_lags = list(range(num_stages))
             self.delays = [2 * (last - k) for k in range(num_stages)]
-        elif name == "ddg":
+        elif key == "ddg":
             self.forward_lags = [0] * num_stages
             self.delays = [last - k for k in range(num_stages)]
         else:

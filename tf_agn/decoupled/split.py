@@ -47,14 +47,19 @@ def split_model(model, num_stages=None, *, cut_after=None, balance="params"):
         k + 1's input.
 
     Raises:
-        ValueError: if the model is not functional with one input and one
-            output, `num_stages` is not an int >= 1 or exceeds the number of
-            places the model can be cut at + 1, `cut_after` names an unknown
-            layer, a layer out of order or one whose output is not a
-            single-tensor boundary, `num_stages` disagrees with
-            `cut_after`, `balance` is unknown, or the stages do not
-            reproduce the model.
+        ValueError: if `model` is not a Keras model, or not functional
+            with one input and one output, `num_stages` is not an int >= 1
+            or exceeds the number of places the model can be cut at + 1,
+            `cut_after` names an unknown layer, a layer out of order or one
+            whose output is not a single-tensor boundary, `num_stages`
+            disagrees with `cut_after`, `balance` is unknown, or the stages
+            do not reproduce the model.
     """
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "model must be a built keras.Sequential or functional "
+            f"keras.Model; received {model!r}."
+        )
     if balance not in BALANCES:
         raise ValueError(
             f"Unknown balance {balance!r}. Allowed: {', '.join(BALANCES)}."

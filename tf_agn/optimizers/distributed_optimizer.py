@@ -4,7 +4,6 @@ gradients are combined."""
 import keras
 
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
 
@@ -42,10 +41,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         optimizer: the `keras.optimizers.Optimizer` to wrap. It is rebuilt
             from its config with the aggregation mixed in, so its class must
             round-trip through `get_config`/`from_config`.
-        aggregation_method: an `AggregationMethod` or its name; default
-            MEAN. None takes the default of the strategy's
-            `tf_agn.AggregatingAllReduce`. (`aggregation=` is its deprecated
-            former name.)
+        aggregation_method: an `AggregationMethod` or its name. None (the
+            default) takes the wrapped optimizer's own, if it is one of
+            tf_agn's and has one, else the `aggregation` of the strategy's
+            `tf_agn.AggregatingAllReduce` (MEAN under other strategies), as
+            tf_agn's drop-in optimizers do.
         gradient_accumulation_steps: None, or the micro-steps k per applied
             step, as Keras' argument of that name: given here, it is set on
             the wrapped optimizer, which must not have another. Horovod
@@ -55,26 +55,32 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         name: the wrapper's name.
 
     Raises:
-        TypeError: if `optimizer` is not a Keras 3 optimizer.
+        TypeError: if `optimizer` is not a Keras 3 optimizer, or given a
+            `learning_rate` (the wrapped optimizer's is the one used).
         ValueError: if `optimizer` is already built, is a
             `LossScaleOptimizer`, `aggregation_method` or
-            `accumulation_reduction` is unknown, or
+            `accumulation_reduction` is unknown, `aggregation_method`
+            differs from the wrapped optimizer's own, or
             `gradient_accumulation_steps` is bad or set twice.
     """
 
     def __init__(
         self,
         optimizer,
-        aggregation_method="mean",
+        aggregation_method=None,
         name=None,
         gradient_accumulation_steps=None,
         accumulation_reduction="mean",
         **kwargs,
     ):
-        aggregation_method = renamed_argument(
-            kwargs, "aggregation", "aggregation_method", type(self).__name__,
-            aggregation_method,
-        )  # fmt: skip
+        if "learning_rate" in kwargs:
+            # Keras' own error would be "got multiple values for keyword
+            # argument", from inside its constructor.
+            raise TypeError(
+                f"{type(self).__name__} takes no learning_rate: the optimizer "
+                "it wraps has its own; received learning_rate="
+                f"{kwargs['learning_rate']!r}."
+            )
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "DistributedOptimizer wraps a keras.optimizers.Optimizer "
@@ -92,8 +98,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 f"Optimizer {optimizer.name!r} is already built. Wrap it "
                 "in DistributedOptimizer before training starts."
             )
-        if aggregation_method is not None:
-            aggregation_method = AggregationMethod.parse(aggregation_method)
+        aggregation_method = self._aggregation_with(optimizer, aggregation_method)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._wrapped_class = type(optimizer)
         config = optimizer.get_config()
@@ -109,6 +114,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 )
             config["gradient_accumulation_steps"] = gradient_accumulation_steps
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
+
+    def _aggregation_with(self, optimizer, aggregation_method):
+        """The method of the wrapper around `optimizer`: `aggregation_method`
+        or the optimizer's own, which must not differ.
+
+        Returns:
+            An `AggregationMethod`, or None for the strategy's default.
+        """
+        if aggregation_method is not None:
+            aggregation_method = AggregationMethod.parse(aggregation_method)
+        own = optimizer.aggregation_method if isinstance(optimizer, Aggregating) else None
+        if own is None:
+            return aggregation_method
+        if aggregation_method in (None, own):
+            return own
+        raise ValueError(
+            f"{type(self).__name__}'s aggregation_method must be None or that "
+            f"of the optimizer it wraps, {optimizer.name!r}: {own.value!r}; "
+            f"received {aggregation_method.value!r}. Set it in one place."
+        )
 
     @property
     def aggregation(self):

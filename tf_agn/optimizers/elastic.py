@@ -3,7 +3,6 @@
 import keras
 from keras import ops
 
-from tf_agn.deprecation import renamed_argument
 from tf_agn.optimizers.windowed import WindowedOptimizer
 
 
@@ -28,7 +27,6 @@ class AEASGD(WindowedOptimizer):
         rho: ρ, the elastic strength per unit learning rate; default 5.
         elastic_learning_rate: η, used for α = ρη and for the default
             inner optimizer; default 0.01 (the AGN paper's runs).
-            (`learning_rate=` is its deprecated former name.)
         aggregation_method: how replicas' E_r are combined synchronously; default
             SUM.
         outer_optimizer: applies E to the center; default `SGD(1.0)`.
@@ -37,6 +35,8 @@ class AEASGD(WindowedOptimizer):
         name: the optimizer's name.
 
     Raises:
+        TypeError: if given a `learning_rate`: η is `elastic_learning_rate`,
+            and the inner optimizer's learning rate is set on it.
         ValueError: if α = ρη is not in (0, 1], where the elastic move would
             overshoot, or `local_steps` is not an int >= 1.
     """
@@ -55,10 +55,14 @@ class AEASGD(WindowedOptimizer):
         name=None,
         **kwargs,
     ):
-        elastic_learning_rate = renamed_argument(
-            kwargs, "learning_rate", "elastic_learning_rate", type(self).__name__,
-            elastic_learning_rate,
-        )  # fmt: skip
+        if "learning_rate" in kwargs:
+            # Keras' meaning, the inner optimizer's rate, is not η here.
+            raise TypeError(
+                f"{type(self).__name__} takes no learning_rate: η of the "
+                "elastic force is elastic_learning_rate, and the inner "
+                "optimizer's rate is set on that optimizer; received "
+                f"learning_rate={kwargs['learning_rate']!r}."
+            )
         moving_rate = float(rho) * float(elastic_learning_rate)
         if not 0 < moving_rate <= 1:
             raise ValueError(

@@ -9,7 +9,7 @@ from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
-from tf_agn.deprecation import renamed_argument
+from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate
@@ -58,7 +58,6 @@ class WindowedOptimizer(DistributedOptimizer):
         aggregation_method: how the replicas' Δ_r are combined
             synchronously: an `AggregationMethod` or its name. None takes the
             default of the strategy's `tf_agn.AggregatingAllReduce`.
-            (`aggregation=` is its deprecated former name.)
         outer_optimizer: the Keras optimizer that applies the combined Δ to
             the center; default `keras.optimizers.SGD(1.0)`. Only its update
             rule is used, not its clipping or weight decay.
@@ -70,9 +69,11 @@ class WindowedOptimizer(DistributedOptimizer):
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
             optimizer.
         ValueError: if `local_steps` is not an int >= 1, the outer learning
-            rate is not positive, `aggregation_method` is unknown, or the
+            rate is not positive, `aggregation_method` is unknown, the
             inner optimizer accumulates gradients (see
-            `gradient_accumulation_steps`: the window already does).
+            `gradient_accumulation_steps`: the window already does), or it
+            has an aggregation method other than "none" (its steps are
+            local).
     """
 
     # Class attribute: the elastic methods keep their own weights.
@@ -88,10 +89,6 @@ class WindowedOptimizer(DistributedOptimizer):
         name=None,
         **kwargs,
     ):
-        aggregation_method = renamed_argument(
-            kwargs, "aggregation", "aggregation_method", type(self).__name__,
-            aggregation_method,
-        )  # fmt: skip
         if (
             isinstance(local_steps, bool)
             or not isinstance(local_steps, int)
@@ -111,6 +108,7 @@ class WindowedOptimizer(DistributedOptimizer):
                 "local_steps optimizer steps per commit here, or accumulate "
                 "with tf_agn.optimizers.DistributedOptimizer."
             )
+        _check_local_inner_optimizer(type(self).__name__, optimizer)
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(learning_rate=1.0)
         _check_outer_optimizer(outer_optimizer)
@@ -370,6 +368,26 @@ def optimizer_state(optimizer):
 def _current_value_of(variable):
     """An initializer that copies `variable`'s value when it runs."""
     return lambda shape, dtype: ops.cast(ops.convert_to_tensor(variable), dtype)
+
+
+def _check_local_inner_optimizer(owner, optimizer):
+    """Raises if `optimizer` would combine its steps across replicas.
+
+    The window's local steps communicate nothing; an inner method chosen by
+    the user would be silently replaced, when they likely meant the
+    commits'.
+    """
+    if not isinstance(optimizer, Aggregating):
+        return
+    own = optimizer.aggregation_method
+    if own in (None, AggregationMethod.NONE):
+        return
+    raise ValueError(
+        f"{owner}'s inner optimizer steps locally: its aggregation_method "
+        f"must be None or 'none'; received {own.value!r} on "
+        f"{optimizer.name!r}. Pass aggregation_method={own.value!r} to "
+        f"{owner} to combine the commits that way."
+    )
 
 
 def _check_outer_optimizer(outer_optimizer):
