@@ -330,7 +330,7 @@ def _first(tensor):
     return tensor[(0,) * tensor.shape.rank]
 
 
-def reduce_fns(strategy, tensors, mode):
+def reduce_fns(strategy, tensors, mode, sum_in_replica=None):
     """`tf.function`s that all-reduce per-replica values as Keras does.
 
     Args:
@@ -338,6 +338,9 @@ def reduce_fns(strategy, tensors, mode):
         tensors: the replicas' tensors, from `place`.
         mode: "keras_path" (each replica's tensors computed on its device)
             or "unplaced" (the raw function inputs, without a device).
+        sum_in_replica: a function that sums a replica's list of tensors
+            across replicas, in replica context; by default
+            `replica_context.all_reduce(SUM, ...)`, as Keras's optimizer.
 
     Returns:
         `(timed, full, devices_seen)`: `timed()` returns a scalar that
@@ -357,6 +360,8 @@ def reduce_fns(strategy, tensors, mode):
         return grads
 
     def all_reduce(tensors):
+        if sum_in_replica is not None:
+            return sum_in_replica(gradients(tensors))
         # What Keras' optimizer does in `_all_reduce_sum_gradients`.
         return tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, gradients(tensors)

@@ -21,3 +21,12 @@ def replica_slices(replica):
     rng = np.random.default_rng(100 + replica)
     rows = rng.uniform(size=(replica + 1, 4)).astype(np.float32)
     return rows, rng.integers(0, 6, size=replica + 1)
+
+
+def large_values(replica):
+    """Global replica `replica`'s float32 values that float16 and bfloat16
+    cannot hold: past 65504, integers past 2048 (float16's last exact
+    one), and 1001 (bfloat16 rounds it to 1000). Sums over a few replicas
+    are integers below 2**24, exact in float32."""
+    base = np.array([70001.0, 1001.0, 2049.0, 123457.0])
+    return (base * (replica + 1) + replica).astype(np.float32)

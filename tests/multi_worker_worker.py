@@ -29,6 +29,10 @@ OUT_DIR/worker<i>.npz with:
         `replica_arrays`, with every method, dtype and compression;
     sparse/<method>/values, sparse/<method>/indices: the same for the
         `tf.IndexedSlices` of `replica_slices`;
+    exact/<fp16|bf16>/<eager|traced>/<reduce_sum|batch_reduce_mean>: the
+        public `CrossDeviceOps.reduce` (what `strategy.reduce` calls across
+        workers) and `batch_reduce` of ops that compress, on the values of
+        `large_values`; they must stay exact;
     keras_fix/stock, keras_fix/ours: the error the stock strategy's
         `reduce` raises on the two calls Keras's `fit` makes, and ours
         ("" for none);
@@ -75,6 +79,7 @@ import tf_agn  # noqa: E402
 from tf_agn.replica_aggregation import tf_agn_ops  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
 from multi_worker_data import SHAPES  # noqa: E402
+from multi_worker_data import large_values  # noqa: E402
 from multi_worker_data import replica_arrays  # noqa: E402
 from multi_worker_data import replica_slices  # noqa: E402
 
@@ -177,6 +182,7 @@ def main(inputs_path, model_path, out_dir):
         "uses_tf_agn_ops": tf_agn_ops(strategy) is not None,
     }
     result.update(aggregate_method_results(strategy))
+    result.update(exact_reduce_results(strategy))
     result.update(keras_fix_results(strategy, dataset))
     result.update(contract_checks(strategy))
     result.update(predict_and_evaluate(strategy, model_path, x, y, batch_size))
@@ -309,6 +315,38 @@ def aggregate_method_results(strategy):
         out[f"sparse/{method}/values"] = local.values.numpy()
         out[f"sparse/{method}/indices"] = local.indices.numpy()
     log("aggregate checks done")
+    return out
+
+
+def exact_reduce_results(strategy):
+    """TensorFlow's entry points of ops that compress with "fp16" and
+    "bf16" (built alike on every worker), eager and traced, on values
+    neither dtype holds: compression is for `aggregate` alone."""
+    default = tf_agn_ops(strategy)
+    value = local_value(strategy, lambda r: tf.constant(large_values(r)))
+    out = {}
+    for name in ("fp16", "bf16"):
+        ops = tf_agn.AggregatingAllReduce(
+            transport="collective",
+            compression=name,
+            num_workers=default.num_workers,
+            worker_index=default.worker_index,
+        )
+
+        def run(ops=ops):
+            sum_op, mean_op = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+            return {
+                "reduce_sum": ops.reduce(sum_op, value, value),
+                "batch_reduce_mean": ops.batch_reduce(mean_op, [(value, value)])[0],
+            }
+
+        for traced in (False, True):
+            mode = "traced" if traced else "eager"
+            results = tf.function(run, autograph=False)() if traced else run()
+            for call, result in results.items():
+                (local,) = strategy.experimental_local_results(result)
+                out[f"exact/{name}/{mode}/{call}"] = local.numpy()
+    log("exact reduce checks done")
     return out
 
 

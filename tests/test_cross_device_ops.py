@@ -343,7 +343,8 @@ def test_aggregate_integers():
         ops.aggregate("sum", [value], value_scale=2)
 
 
-# Compression.
+# Compression: `aggregate` compresses; TensorFlow's entry points stay exact
+# (tests/test_compression.py).
 
 
 @pytest.mark.parametrize("reduce_op", [SUM, MEAN], ids=name_of)
@@ -352,12 +353,11 @@ def test_aggregate_integers():
     "compression, tolerance", [("fp16", 1e-3), ("bf16", 1e-2)]
 )
 def test_compression(compression, tolerance, dtype, reduce_op):
-    strategy = make_strategy(compression=compression, bytes_per_pack=64)
+    ops = AggregatingAllReduce(compression=compression, bytes_per_pack=64)
+    strategy = make_strategy(ops)
     arrays = [replica_arrays(s, dtype, i) for i, s in enumerate([[40], [3, 7]])]
     values = [per_replica(strategy, a) for a in arrays]
-    results = strategy.extended.batch_reduce_to(
-        reduce_op, [(v, v) for v in values]
-    )
+    results = ops.aggregate(AggregationMethod.parse(reduce_op), values)
     for result, replica_values in zip(results, arrays):
         exact = expected(reduce_op, replica_values)
         # Each replica's value is rounded once, so the error is bounded by
@@ -372,13 +372,12 @@ def test_compression(compression, tolerance, dtype, reduce_op):
 
 
 def test_compression_leaves_half_precision_and_integers_alone():
-    strategy = make_strategy(compression="bf16")
+    ops = AggregatingAllReduce(compression="bf16")
+    strategy = make_strategy(ops)
     halves = replica_arrays([9], tf.float16)
     ints = replica_arrays([4], tf.int64)
     values = [per_replica(strategy, halves), per_replica(strategy, ints)]
-    half, integer = strategy.extended.batch_reduce_to(
-        SUM, [(v, v) for v in values]
-    )
+    half, integer = ops.aggregate("sum", values)
     # float32 holds sums of four float16 values exactly, so the result is
     # their sum rounded once to float16; bfloat16 on the way would not be.
     want = np.sum(halves, axis=0, dtype=np.float64).astype(np.float16)

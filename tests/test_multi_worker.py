@@ -5,7 +5,8 @@ localhost, one CPU replica each, so gradients travel through
 
 The workers (tests/multi_worker_worker.py) train the test MLP of
 test_optimizers.py once per aggregation method with `model.fit`, run every
-method, dtype and compression through the ops, and try the two reductions
+method, dtype and compression through the ops, check that ops which
+compress still reduce exactly through TensorFlow's entry points, and try the two reductions
 Keras's `fit` makes, in a single cluster start; the checks below compare
 what each wrote with numpy references. They also run the whole
 `CrossDeviceOps` contract (tests/contract.py), `predict`, `evaluate` and
@@ -30,6 +31,7 @@ import tf_agn
 from conftest import DEVICES
 from contract import contract_results
 from contract import reference_methods
+from multi_worker_data import large_values
 from multi_worker_data import replica_arrays
 from multi_worker_data import replica_slices
 from reference import sgd_trajectory
@@ -332,6 +334,27 @@ def test_aggregate_matches_numpy_across_workers(cluster, method, dtype_name, com
             np.testing.assert_allclose(
                 got, want, rtol=rtol, err_msg=f"replica {replica}, value {i}"
             )
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_reduce_of_compressing_ops_stays_exact_across_workers(cluster, compression):
+    """`strategy.reduce` and Keras's metric logs reach the ops through
+    `reduce` and `batch_reduce`: values past float16's range and integers
+    it (or bfloat16) cannot hold must come back exact."""
+    num_workers, workers = cluster
+    total = np.sum([large_values(r).astype(np.float64) for r in range(num_workers)], 0)
+    want = {"reduce_sum": total, "batch_reduce_mean": total / num_workers}
+    for replica, result in enumerate(workers):
+        for mode in ("eager", "traced"):
+            for call, value in want.items():
+                # A MEAN over 3 is rounded; compression would be off by
+                # 5e-4 (2049 in float16) or more.
+                np.testing.assert_allclose(
+                    result[f"exact/{compression}/{mode}/{call}"],
+                    value,
+                    rtol=1e-6,
+                    err_msg=f"replica {replica}, {mode} {call}",
+                )
 
 
 @pytest.mark.parametrize("method", ["sum", "mean", "only_first_replica"])

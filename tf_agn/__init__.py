@@ -13,6 +13,7 @@ _compat.check_versions()
 _source_layout.attach_strategies(_os.path.dirname(__file__))
 
 from tf_agn import callbacks  # noqa: E402
+from tf_agn import compression  # noqa: E402
 from tf_agn import datasets  # noqa: E402
 from tf_agn import decoupled  # noqa: E402
 from tf_agn import metrics  # noqa: E402

@@ -74,3 +74,32 @@ class AggregationMethod(enum.Enum):
 
     def __str__(self):
         return self.value
+
+
+def method_scale(method, dtype, num_replicas, value_scale):
+    """The factor a combination with `method` applies to the sum (or to
+    replica 0's value).
+
+    Args:
+        method: an `AggregationMethod`.
+        dtype: the values' `tf.DType`.
+        num_replicas: how many replicas' values are combined.
+        value_scale: a Python number every value is multiplied by.
+
+    Returns:
+        A Python number.
+
+    Raises:
+        ValueError: for a MEAN or a scale of integers.
+    """
+    if dtype.is_integer:
+        if method is AggregationMethod.MEAN or value_scale != 1:
+            raise ValueError(
+                f"Cannot {method.name} {dtype.name} values with scale "
+                f"{value_scale}: integers can only be summed or taken from "
+                "the first replica, unscaled."
+            )
+        return 1
+    if method is AggregationMethod.MEAN:
+        return value_scale / num_replicas
+    return value_scale

@@ -9,16 +9,20 @@ on, and every worker raises the same error, naming the field and the
 values, if they differ.
 """
 
+import zlib
+
 import tensorflow as tf
 
 from tf_agn import collective
-from tf_agn import packing
+from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
 _METHODS = list(AggregationMethod)
-_COMPRESSIONS = list(packing.COMPRESSION_DTYPES)
+# Built-in compressions are codes 0, 1, 2, ...; any other compressor's
+# name is encoded by its CRC-32 after them.
+_COMPRESSIONS = [None, *compression.BY_NAME]
 _IMPLEMENTATIONS = list(CommunicationImplementation)
 
 
@@ -31,6 +35,19 @@ def _version_text(code):
     return f"{code // 1_000_000}.{code // 1000 % 1000}.{code % 1000}"
 
 
+def _compression_code(compressor):
+    name = compression.name_of(compressor)
+    if name in _COMPRESSIONS:
+        return _COMPRESSIONS.index(name)
+    return len(_COMPRESSIONS) + zlib.crc32(str(name).encode())
+
+
+def _compression_text(code):
+    if code < len(_COMPRESSIONS):
+        return repr(_COMPRESSIONS[code])
+    return f"a compressor of another name (code {code})"
+
+
 # name: (what to encode, as an int; how to show a code).
 FIELDS = {
     "aggregation": (
@@ -38,10 +55,7 @@ FIELDS = {
         lambda code: _METHODS[code].value,
     ),
     "bytes_per_pack": (lambda ops, _: ops.bytes_per_pack, str),
-    "compression": (
-        lambda ops, _: _COMPRESSIONS.index(ops.compression),
-        lambda code: repr(_COMPRESSIONS[code]),
-    ),
+    "compression": (lambda ops, _: _compression_code(ops.compressor), _compression_text),
     "transport": (
         lambda ops, _: collective.TRANSPORTS.index(ops.transport),
         lambda code: collective.TRANSPORTS[code],

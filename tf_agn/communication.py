@@ -3,7 +3,6 @@
 import keras
 import tensorflow as tf
 
-from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
 
 
@@ -14,7 +13,8 @@ class CommunicationCounter:
     its payload is the bytes of one replica's values: what each replica puts
     on the wire in a reduce, and what replica 0 broadcasts for
     ONLY_FIRST_REPLICA. `compression` in tf_agn's cross-device ops shrinks
-    the payload of float32/float64 values to 2 bytes per element. NONE
+    the payload to its compressor's wire dtype (float32/float64 values to 2
+    bytes per element for "fp16" and "bf16"). NONE
     sends nothing and is not counted.
 
     The counts are variables of the counter, not of the optimizer: an
@@ -47,12 +47,10 @@ class CommunicationCounter:
         """
         if AggregationMethod.parse(method) is AggregationMethod.NONE:
             return
-        compressed = None
-        if ops is not None:
-            compressed = packing.COMPRESSION_DTYPES[ops.compression]
+        compressor = None if ops is None else ops.compressor
         # Dense gradients have static shapes: their payload is a Python
         # number, so counting adds no per-tensor ops to the training step.
-        payload = sum(_payload_bytes(v, compressed) for v in values)
+        payload = sum(_payload_bytes(v, compressor) for v in values)
         times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
         self.calls.assign_add(times)
         self.bytes.assign_add(tf.cast(payload, tf.int64) * times)
@@ -65,12 +63,12 @@ class CommunicationCounter:
         }
 
 
-def _payload_bytes(value, compressed_dtype):
+def _payload_bytes(value, compressor):
     if isinstance(value, tf.IndexedSlices):
         return _payload_bytes(value.values, None) + _payload_bytes(value.indices, None)
     dtype = value.dtype
-    if compressed_dtype is not None and dtype in (tf.float32, tf.float64):
-        dtype = compressed_dtype
+    if compressor is not None:
+        dtype = compressor.wire_dtype(dtype)
     num_elements = value.shape.num_elements()
     if num_elements is None:  # e.g. the rows of an IndexedSlices
         num_elements = tf.size(value, out_type=tf.int64)

@@ -6,8 +6,12 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import collective
+from tf_agn import collective_transport
+from tf_agn import compression as compression_lib
 from tf_agn import packing
+from tf_agn import placement
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.local_transport import LocalTransport
 
 CommunicationOptions = tf.distribute.experimental.CommunicationOptions
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
@@ -22,14 +26,17 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     There are two ways in:
 
-    - TensorFlow's own (`reduce`, `batch_reduce`, `broadcast`, gather), used
-      by Keras, metrics and `strategy.reduce`. These always do exactly the
-      `tf.distribute.ReduceOp` (SUM or MEAN) the caller asks for.
-    - `aggregate(method, values)`, used by tf_agn's optimizers. It also does
-      the two methods TensorFlow has no ReduceOp for: ONLY_FIRST_REPLICA
-      sends replica 0's pack to every replica, and NONE communicates
-      nothing. `aggregation` is the default method optimizers use when
-      they are given none.
+    - TensorFlow's own (`reduce`, `batch_reduce`, `broadcast`, gather, and
+      `replica_context.all_reduce`), used by Keras (its loss and metric
+      logs, its own optimizers), on-read variables and `strategy.reduce`.
+      These always do exactly the `tf.distribute.ReduceOp` (SUM or MEAN)
+      the caller asks for, uncompressed.
+    - `aggregate(method, values)`, used by tf_agn's optimizers for
+      gradients and commits, and the only way in that `compression`
+      applies to. It also does the two methods TensorFlow has no ReduceOp
+      for: ONLY_FIRST_REPLICA sends replica 0's pack to every replica, and
+      NONE communicates nothing. `aggregation` is the default method
+      optimizers use when they are given none.
 
     Dense tensors are grouped per dtype into packs of at most
     `bytes_per_pack` bytes, and each pack travels by one of two transports
@@ -60,9 +67,15 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     float16 and bfloat16 values are summed in float32 by "local" and in
     their own dtype by "collective", as NCCL and `MultiWorkerMirroredStrategy`
-    do. With `compression`, float32 and float64 tensors are cast to float16
-    or bfloat16 on their own device before they travel; "local" sums them in
-    full precision after, "collective" sums them in the compressed dtype.
+    do. With `compression` (a `tf_agn.compression.Compressor` or its name),
+    `aggregate` compresses the tensors the compressor acts on (float32 and
+    float64, for "fp16" and "bf16") on their own device, in the compiled
+    packing call, before they travel; "local" decompresses and sums them in
+    full precision after, "collective" sums them compressed. Keras's own
+    optimizers reach these ops through `replica_context.all_reduce`, not
+    `aggregate`: their gradients travel uncompressed, since compression
+    belongs to tf_agn's optimizers (wrap one in
+    `tf_agn.optimizers.DistributedOptimizer` to compress its gradients).
 
     `tf.distribute.experimental.CommunicationOptions` that TensorFlow's
     callers pass (`strategy.reduce(..., options=)`, a strategy's
@@ -94,7 +107,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             optimizers in a strategy that uses these ops.
         bytes_per_pack: the most bytes one pack may hold. The default,
             4 MiB, is explained at `packing.DEFAULT_BYTES_PER_PACK`.
-        compression: None, "fp16" or "bf16".
+        compression: None, "fp16", "bf16" or a
+            `tf_agn.compression.Compressor`, for `aggregate` only.
         jit_compile: whether to compile the packing and reduction with XLA.
         reduce_to_device: the device that reduces for "local"; by default
             the first destination device.
@@ -143,11 +157,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 "bytes_per_pack must be a positive int; received "
                 f"{bytes_per_pack!r}."
             )
-        if compression not in packing.COMPRESSION_DTYPES:
-            raise ValueError(
-                f"Unknown compression {compression!r}. Allowed: None, "
-                '"fp16", "bf16".'
-            )
         if flatten_packs not in ("auto", True, False):
             raise ValueError(
                 f'flatten_packs must be "auto", True or False; received '
@@ -174,10 +183,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             )
         self.aggregation = AggregationMethod.parse(aggregation)
         self.bytes_per_pack = bytes_per_pack
-        self.compression = compression
+        self.compressor = compression_lib.get(compression)
         self.jit_compile = bool(jit_compile)
         self.reduce_to_device = reduce_to_device
         self.flatten_packs = flatten_packs
+        self._local_transport = LocalTransport(
+            reduce_to_device, flatten_packs, self.jit_compile
+        )
         self.transport = transport
         self.num_workers = num_workers
         self.worker_index = worker_index
@@ -193,7 +205,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         # or two batches could interleave differently on two devices.
         self._lock = threading.Lock()
 
-    # TensorFlow's entry points.
+    # TensorFlow's entry points: exact, never compressed.
 
     @property
     def _num_between_graph_workers(self):
@@ -219,14 +231,14 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         )
 
     def broadcast_implementation(self, tensor, destinations):
-        return _mirror(tensor, self._devices(destinations))
+        return placement.mirror(tensor, self._devices(destinations))
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
         devices = self._devices(destinations, per_replica_value)
         if self.num_workers == 1:
             with tf.device(self.reduce_to_device or devices[0]):
                 gathered = tf.concat(per_replica_value.values, axis=axis)
-            return _mirror(gathered, devices)
+            return placement.mirror(gathered, devices)
         # Across workers every replica all-gathers; each worker's result
         # holds every replica of every worker, in global replica order.
         sources = self._source_devices(per_replica_value, destinations)
@@ -236,7 +248,11 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
         def launch(per_replica_inputs):
             return [
-                [_gather_along(group, replica, tensor, axis, options)]
+                [
+                    collective_transport.gather_along(
+                        group, replica, tensor, axis, options
+                    )
+                ]
                 for replica, (tensor,) in enumerate(per_replica_inputs)
             ]
 
@@ -264,8 +280,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 'Replica-context all-reduce needs transport="collective".'
             )
         group = self._group(devices)
-        reduced = self._collective_replica(
-            method, replica_id, flat, group, 1.0, options
+        reduced = collective_transport.combine_replica(
+            method, replica_id, flat, group, 1.0, options, None, self.jit_compile
         )
         return tf.nest.pack_sequence_as(value, reduced)
 
@@ -292,10 +308,17 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         """
         values = [_compat.make_tensor_into_per_replica(v) for v in per_replica_values]
         return self._aggregate(
-            AggregationMethod.parse(method), values, values, value_scale, options
+            AggregationMethod.parse(method),
+            values,
+            values,
+            value_scale,
+            options,
+            self.compressor,
         )
 
-    def _aggregate(self, method, values, destinations, value_scale=1.0, options=None):
+    def _aggregate(
+        self, method, values, destinations, value_scale=1.0, options=None, compressor=None
+    ):
         if method is AggregationMethod.NONE:
             return [_scale_per_replica(v, value_scale) for v in values]
         sources = self._source_devices(values[0], destinations[0])
@@ -311,136 +334,42 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             # without needing each replica's device.
             transport = "local"
         if transport == "collective":
-            return self._collective(method, values, destinations, value_scale, options)
-        return self._local(method, values, destinations, value_scale, options)
-
-    def _packs(self, tensors, bytes_per_pack):
-        """Splits one replica's `tensors` into the indices of the sparse ones
-        and packs of indices of the dense ones."""
-        sparse, dense = [], []
-        for index, tensor in enumerate(tensors):
-            is_sparse = isinstance(tensor, tf.IndexedSlices)
-            (sparse if is_sparse else dense).append(index)
-        # A shape not fully known while tracing counts as one element.
-        sizes = [
-            (tensors[i].dtype, tensors[i].shape.num_elements() or 1) for i in dense
-        ]
-        packs = packing.plan_packs(sizes, bytes_per_pack)
-        return sparse, [[dense[i] for i in pack] for pack in packs]
-
-    # The local transport.
-
-    def _local(self, method, values, destinations, value_scale, options):
-        devices = [self._devices(d, v) for d, v in zip(destinations, values)]
-        sources = self._source_devices(values[0], destinations[0])
-        results = [None] * len(values)
-        sparse, packs = self._packs(
-            [v.values[0] for v in values], options.bytes_per_pack
+            return self._collective(
+                method, values, destinations, value_scale, options, compressor
+            )
+        return self._local_transport.aggregate(
+            method,
+            values,
+            sources,
+            [self._devices(d, v) for d, v in zip(destinations, values)],
+            value_scale,
+            options.bytes_per_pack,
+            compressor,
         )
-        for index in sparse:
-            results[index] = self._gather_slices(
-                method, values[index], devices[index], value_scale
-            )
-        for pack in packs:
-            per_device = self._combine_pack(
-                method, [values[i] for i in pack], sources, devices[pack[0]], value_scale
-            )
-            for position, index in enumerate(pack):
-                copies = tuple(tensors[position] for tensors in per_device)
-                results[index] = _compat.regroup(copies, wrap_class=_compat.Mirrored)
-        return results
 
-    def _combine_pack(self, method, values, sources, destinations, value_scale):
-        """Reduces one pack of same-dtype dense values on one device.
+    # The collective transport: every local replica launches its part.
 
-        Returns:
-            One list of the pack's results per destination, on it.
-        """
-        dtype = values[0].values[0].dtype
-        num_replicas = len(values[0].values)
-        scale = _method_scale(method, dtype, num_replicas, value_scale)
-        if method is AggregationMethod.ONLY_FIRST_REPLICA:
-            replicas = [0]  # Only replica 0's tensors travel.
-            device = sources[0]
-        else:
-            replicas = range(num_replicas)
-            device = self.reduce_to_device or destinations[0]
-        like = [v.values[0] for v in values]
-        flatten = self._flatten_packs(destinations, like)
-        parts = [
-            self._send([v.values[r] for v in values], sources[r], flatten)
-            for r in replicas
-        ]
-        jit = self._jit(device)
-        with tf.device(device):
-            reduced = packing.combine_fn(jit)(parts, scale, dtype)
-        if not flatten:
-            return [[_on(d, t) for t in reduced] for d in destinations]
-        # The one buffer travels; each destination splits its own copy, so
-        # every result is made on its device without a copy per tensor.
-        unpacked = []
-        for destination in destinations:
-            with tf.device(destination):
-                unpacked.append(
-                    packing.unflatten(reduced[0], like, jit_compile=self._jit(destination))
-                )
-        return unpacked
-
-    def _send(self, tensors, device, flatten):
-        """Prepares one replica's part of a pack for the trip: compressed
-        and, where that saves work, flattened into one buffer."""
-        dtype = self._wire_dtype(tensors[0].dtype)
-        if not flatten:
-            if dtype == tensors[0].dtype:
-                return tensors
-            with tf.device(device):
-                return [tf.cast(t, dtype) for t in tensors]
-        with tf.device(device):
-            return [packing.flatten(tensors, dtype, jit_compile=self._jit(device))]
-
-    def _flatten_packs(self, devices, tensors):
-        """Whether to flatten a pack of `tensors` for `devices`: where
-        transfers are real copies (not logical CPUs), or where the pack
-        holds so many small tensors that per-tensor costs outweigh a pass
-        over its bytes."""
-        if self.flatten_packs != "auto":
-            return self.flatten_packs
-        if any(tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices):
-            return True
-        sizes = [t.shape.num_elements() or 1 for t in tensors]
-        mean_bytes = sum(sizes) * tensors[0].dtype.size / len(tensors)
-        return len(tensors) > 1 and mean_bytes < packing.SMALL_TENSOR_BYTES
-
-    def _gather_slices(self, method, value, devices, value_scale):
-        slices = value.values
-        if method is AggregationMethod.ONLY_FIRST_REPLICA:
-            slices = slices[:1]
-        scale = _method_scale(method, slices[0].dtype, len(value.values), value_scale)
-        with tf.device(self.reduce_to_device or devices[0]):
-            gathered = tf.IndexedSlices(
-                tf.concat([s.values for s in slices], 0)
-                * tf.constant(scale, slices[0].dtype),
-                tf.concat([s.indices for s in slices], 0),
-                slices[0].dense_shape,
-            )
-        return _mirror(gathered, devices)
-
-    # The collective transport.
-
-    def _collective(self, method, values, destinations, value_scale, options):
+    def _collective(self, method, values, destinations, value_scale, options, compressor):
         sources = self._source_devices(values[0], destinations[0])
         group = self._group(sources)
 
         def launch(per_replica_inputs):
             return [
-                self._collective_replica(
-                    method, replica, tensors, group, value_scale, options
+                collective_transport.combine_replica(
+                    method,
+                    replica,
+                    tensors,
+                    group,
+                    value_scale,
+                    options,
+                    compressor,
+                    self.jit_compile,
                 )
                 for replica, tensors in enumerate(per_replica_inputs)
             ]
 
         per_replica = self._run_collectives(
-            ("aggregate", method, value_scale, _options_key(options)),
+            ("aggregate", method, value_scale, _options_key(options), compressor),
             launch,
             [[v.values[r] for v in values] for r in range(len(sources))],
             sources,
@@ -474,7 +403,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 self._eager_functions[key] = function
             outputs = function(per_replica_inputs)
         return [
-            [_on(device, t) for t in replica_outputs]
+            [placement.on(device, t) for t in replica_outputs]
             for device, replica_outputs in zip(sources, outputs)
         ]
 
@@ -482,50 +411,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         """One value's per-replica results, on `devices`."""
         if tuple(devices) == tuple(sources):
             return _compat.regroup(tuple(replicas), wrap_class=_compat.Mirrored)
-        return _mirror(replicas[0], devices)
-
-    def _collective_replica(self, method, replica, tensors, group, value_scale, options):
-        """Replica `replica`'s part of combining `tensors` across `group`.
-
-        Returns the combined tensors, on this replica's device.
-        """
-        device = group.devices[replica]
-        jit = self._jit(device)
-        sparse, packs = self._packs(tensors, options.bytes_per_pack)
-        results = [None] * len(tensors)
-        is_first = group.first_replica + replica == 0
-        for index in sparse:
-            slices = tensors[index]
-            scale = _method_scale(method, slices.dtype, group.size, value_scale)
-            with tf.device(device):
-                rows = slices.values * tf.constant(scale, slices.dtype)
-                indices = slices.indices
-                if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
-                    rows, indices = rows[:0], indices[:0]
-                results[index] = group.all_gather_slices(
-                    replica,
-                    tf.IndexedSlices(rows, indices, slices.dense_shape),
-                    options,
-                )
-        for pack in packs:
-            like = [tensors[i] for i in pack]
-            dtype = like[0].dtype
-            scale = _method_scale(method, dtype, group.size, value_scale)
-            wire = self._wire_dtype(dtype)
-            with tf.device(device):
-                if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
-                    # Replica 0's pack travels as an all-reduce to which the
-                    # others add zeros: TensorFlow's broadcast ops take no
-                    # ordering token, and unordered collectives can deadlock
-                    # NCCL. x + 0 is exact, inf and NaN included.
-                    flat = tf.zeros([_num_elements(like)], wire)
-                else:
-                    flat = packing.flatten(like, wire, scale, jit_compile=jit)
-                flat = group.all_reduce(replica, flat, options)
-                combined = packing.unflatten(flat, like, dtype, jit_compile=jit)
-            for index, tensor in zip(pack, combined):
-                results[index] = tensor
-        return results
+        return placement.mirror(replicas[0], devices)
 
     def _group(self, devices):
         return collective.collective_group(
@@ -550,16 +436,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         if transport == "auto":
             transport = collective.choose_transport(devices, self.num_workers)
         return merged, transport
-
-    def _wire_dtype(self, dtype):
-        """The dtype `dtype` values travel in."""
-        compressed = packing.COMPRESSION_DTYPES[self.compression]
-        if compressed is not None and dtype in (tf.float32, tf.float64):
-            return compressed
-        return dtype
-
-    def _jit(self, device):
-        return self.jit_compile and packing.supports_xla(device)
 
     def _devices(self, destinations, value=None):
         """Where results go: the devices `destinations` name, or else the
@@ -614,26 +490,6 @@ def _static_axis(axis):
     return int(value)
 
 
-def _gather_along(group, replica, tensor, axis, options):
-    """Replica `replica`'s all-gather of `tensor` along `axis`: every
-    replica's slices, which may differ in length along `axis`."""
-    with tf.device(group.devices[replica]):
-        rank = tensor.shape.rank
-        axis = axis % rank
-        perm = [axis] + [d for d in range(rank) if d != axis]
-        rows = tf.transpose(tensor, perm) if axis else tensor
-    (gathered,) = group.all_gather_rows(replica, [rows], options)
-    if not axis:
-        return gathered
-    with tf.device(group.devices[replica]):
-        return tf.transpose(gathered, [perm.index(d) for d in range(rank)])
-
-
-def _num_elements(tensors):
-    """How many elements `tensors` hold together, as a scalar tensor."""
-    return tf.add_n([tf.size(t) for t in tensors])
-
-
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -649,21 +505,6 @@ def _parse_implementation(implementation):
         f"Unknown implementation {implementation!r}. Allowed: auto, ring, nccl, "
         "or a tf.distribute.experimental.CommunicationImplementation."
     )
-
-
-def _method_scale(method, dtype, num_replicas, value_scale):
-    """The factor applied to the sum (or to replica 0's value)."""
-    if dtype.is_integer:
-        if method is AggregationMethod.MEAN or value_scale != 1:
-            raise ValueError(
-                f"Cannot {method.name} {dtype.name} values with scale "
-                f"{value_scale}: integers can only be summed or taken from "
-                "the first replica, unscaled."
-            )
-        return 1
-    if method is AggregationMethod.MEAN:
-        return value_scale / num_replicas
-    return value_scale
 
 
 def _scale_per_replica(value, scale):
@@ -685,19 +526,3 @@ def scale_value(value, scale):
             value.dense_shape,
         )
     return value * tf.cast(scale, value.dtype)
-
-
-def _on(device, value):
-    """`value` (a tensor or `tf.IndexedSlices`) placed on `device`."""
-    with tf.device(device):
-        return tf.nest.map_structure(tf.identity, value, expand_composites=True)
-
-
-def _mirror(value, devices):
-    """Places a copy of `value` on every device, as a `Mirrored` value.
-
-    Between devices in host memory (logical CPUs) the identity shares the
-    buffer, so nothing is copied; between GPUs it is the transfer.
-    """
-    copies = tuple(_on(device, value) for device in devices)
-    return _compat.regroup(copies, wrap_class=_compat.Mirrored)

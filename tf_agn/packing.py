@@ -18,8 +18,6 @@ import tensorflow as tf
 # function runs as an ordinary graph function.
 XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
 
-COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
-
 # Packs of a few MiB are large enough that the fixed cost of a call is
 # small next to its work, and small enough that TensorFlow runs several at
 # once (XLA also splits one large loop across threads). On CPU they also
@@ -62,6 +60,28 @@ def plan_packs(dtypes_and_sizes, bytes_per_pack):
     return packs
 
 
+def split_packs(tensors, bytes_per_pack):
+    """Splits one replica's `tensors` into the indices of the sparse ones
+    and packs of indices of the dense ones.
+
+    Args:
+        tensors: tensors and `tf.IndexedSlices`.
+        bytes_per_pack: the most bytes one pack may hold.
+
+    Returns:
+        `(sparse, packs)`: a list of indices, and a list of packs, each a
+        list of indices of dense tensors of one dtype (`plan_packs`).
+    """
+    sparse, dense = [], []
+    for index, tensor in enumerate(tensors):
+        is_sparse = isinstance(tensor, tf.IndexedSlices)
+        (sparse if is_sparse else dense).append(index)
+    # A shape not fully known while tracing counts as one element.
+    sizes = [(tensors[i].dtype, tensors[i].shape.num_elements() or 1) for i in dense]
+    packs = plan_packs(sizes, bytes_per_pack)
+    return sparse, [[dense[i] for i in pack] for pack in packs]
+
+
 def accumulation_dtype(dtype):
     """The dtype sums are taken in: at least float32 for floats."""
     if dtype in (tf.float16, tf.bfloat16):
@@ -69,12 +89,12 @@ def accumulation_dtype(dtype):
     return dtype
 
 
-def _combine(per_replica_tensors, scale, output_dtype):
+def _combine(per_replica_tensors, scale, output_dtype, compressor=None):
     """Returns `scale * sum_r per_replica_tensors[r]`, tensor by tensor.
 
     Sums are taken in `accumulation_dtype(output_dtype)` and cast to
-    `output_dtype`. XLA fuses the casts, the sum and the scaling into one
-    pass over each tensor.
+    `output_dtype`. XLA fuses the decompression or casts, the sum and the
+    scaling into one pass over each tensor.
 
     Args:
         per_replica_tensors: one list of tensors per replica, all lists
@@ -82,6 +102,8 @@ def _combine(per_replica_tensors, scale, output_dtype):
         scale: a Python number. It is a constant of the traced function, so
             a scale of 1 costs nothing even without XLA.
         output_dtype: the dtype of the results.
+        compressor: the `tf_agn.compression.Compressor` that compressed the
+            tensors, or None if they travelled as they are.
 
     Returns:
         A list of tensors, one per position in the replicas' lists.
@@ -89,37 +111,53 @@ def _combine(per_replica_tensors, scale, output_dtype):
     dtype = accumulation_dtype(output_dtype)
     combined = []
     for i in range(len(per_replica_tensors[0])):
-        total = tf.add_n([tf.cast(t[i], dtype) for t in per_replica_tensors])
+        total = tf.add_n(
+            [_restore(t[i], dtype, compressor) for t in per_replica_tensors]
+        )
         if scale != 1:
             total = total * tf.constant(scale, dtype)
         combined.append(tf.cast(total, output_dtype))
     return combined
 
 
-def _flatten(tensors, dtype, scale=1):
-    """Concatenates `scale * tensors` into one flat buffer of `dtype`.
+def _restore(tensor, dtype, compressor):
+    """`tensor` as `dtype`, decompressed if `compressor` compressed it."""
+    if compressor is None:
+        return tf.cast(tensor, dtype)
+    return compressor.decompress(tensor, dtype)
 
-    The scaling happens in `accumulation_dtype` before the cast, so that a
-    MEAN's 1/n shrinks float32 values before they are compressed to float16
-    rather than after they may have overflowed.
+
+def _flatten(tensors, scale=1, compressor=None):
+    """Concatenates `scale * tensors`, compressed, into one flat buffer.
+
+    The scaling happens in `accumulation_dtype` before compression, so that
+    a MEAN's 1/n shrinks float32 values before they are compressed to
+    float16 rather than after they may have overflowed.
     """
     pieces = []
     for tensor in tensors:
+        dtype = tensor.dtype
         if scale != 1:
-            wide = accumulation_dtype(tensor.dtype)
+            wide = accumulation_dtype(dtype)
             tensor = tf.cast(tensor, wide) * tf.constant(scale, wide)
-        pieces.append(tf.reshape(tf.cast(tensor, dtype), [-1]))
+        if compressor is None:
+            tensor = tf.cast(tensor, dtype)
+        else:
+            tensor = compressor.compress(tf.cast(tensor, dtype))
+        pieces.append(tf.reshape(tensor, [-1]))
     return tf.concat(pieces, 0)
 
 
-def _unflatten(flat, shapes, dtype):
-    """Splits a flat buffer into tensors of `shapes`, cast to `dtype`.
+def _unflatten(flat, shapes, dtype, compressor=None):
+    """Splits a flat buffer into tensors of `shapes` and `dtype`.
 
     Args:
         flat: a 1-D tensor.
         shapes: one shape per tensor: Python tuples (static, which XLA
             needs) or shape tensors.
         dtype: the dtype of the results.
+        compressor: the `tf_agn.compression.Compressor` that made `flat`,
+            or None.
 
     Returns:
         A list of tensors.
@@ -128,58 +166,61 @@ def _unflatten(flat, shapes, dtype):
         int(np.prod(s)) if isinstance(s, tuple) else tf.reduce_prod(s)
         for s in shapes
     ]
-    pieces = tf.split(flat, sizes)
-    return [tf.cast(tf.reshape(p, s), dtype) for p, s in zip(pieces, shapes)]
+    pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+    return [
+        _restore(tf.reshape(p, s), dtype, compressor) for p, s in zip(pieces, shapes)
+    ]
 
 
-def flatten(tensors, dtype, scale=1, jit_compile=False):
-    """`scale * tensors`, cast to `dtype`, as one flat buffer.
+def flatten(tensors, scale=1, compressor=None, jit_compile=False):
+    """`scale * tensors`, compressed, as one flat buffer.
 
-    With a scale or a cast to fuse, this is one call of `flatten_fn`; a
-    bare concatenation runs as TensorFlow's own op, and a single tensor is
-    only reshaped, which copies nothing.
+    With a scale or a compression to fuse, this is one call of
+    `flatten_fn`; a bare concatenation runs as TensorFlow's own op, and a
+    single tensor is only reshaped, which copies nothing.
 
     Args:
         tensors: the tensors of one pack, on one device.
-        dtype: the buffer's dtype.
         scale: a Python number.
+        compressor: a `tf_agn.compression.Compressor` that acts on the
+            pack's dtype, or None.
         jit_compile: whether `flatten_fn` is XLA-compiled.
 
     Returns:
         A 1-D tensor.
     """
-    if scale == 1 and all(t.dtype == dtype for t in tensors):
+    if scale == 1 and compressor is None:
         pieces = [tf.reshape(t, [-1]) for t in tensors]
         return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
-    return flatten_fn(jit_compile)(tensors, dtype, scale)
+    return flatten_fn(jit_compile)(tensors, scale, compressor)
 
 
-def unflatten(flat, like, dtype=None, jit_compile=False):
-    """Splits a flat buffer back into tensors shaped like `like`.
+def unflatten(flat, like, compressor=None, jit_compile=False):
+    """Splits a flat buffer back into tensors shaped like `like`, of
+    `like`'s dtype.
 
-    With a cast to fuse and every shape known while tracing, this is one
-    call of `unflatten_fn` (XLA needs the split sizes as constants).
+    With a decompression to fuse and every shape known while tracing, this
+    is one call of `unflatten_fn` (XLA needs the split sizes as constants).
     Otherwise it runs as TensorFlow's own split, which on CPU hands out
     pieces of the buffer without copying them.
 
     Args:
         flat: a 1-D tensor.
-        like: the tensors whose shapes to take.
-        dtype: the dtype of the results; `like[0].dtype` by default.
+        like: the tensors whose shapes and dtype to take.
+        compressor: the `tf_agn.compression.Compressor` that made `flat`,
+            or None.
         jit_compile: whether `unflatten_fn` is XLA-compiled.
 
     Returns:
         A list of tensors.
     """
-    dtype = dtype or like[0].dtype
+    dtype = like[0].dtype
     static = all(t.shape.is_fully_defined() for t in like)
-    if dtype != flat.dtype and static:
+    if compressor is not None and static:
         shapes = tuple(tuple(t.shape.as_list()) for t in like)
-        return unflatten_fn(jit_compile)(flat, shapes, dtype)
-    if len(like) == 1:
-        return [tf.cast(tf.reshape(flat, tf.shape(like[0])), dtype)]
+        return unflatten_fn(jit_compile)(flat, shapes, dtype, compressor)
     shapes = [tuple(t.shape.as_list()) if static else tf.shape(t) for t in like]
-    return _unflatten(flat, shapes, dtype)
+    return _unflatten(flat, shapes, dtype, compressor)
 
 
 @functools.cache
@@ -204,3 +245,8 @@ def supports_xla(device):
     """Whether XLA can compile for `device` (a device string)."""
     device_type = tf.DeviceSpec.from_string(device).device_type
     return (device_type or "CPU").upper() in XLA_DEVICE_TYPES
+
+
+def use_xla(jit_compile, device):
+    """Whether to compile for `device`: asked to, and XLA can."""
+    return jit_compile and supports_xla(device)
