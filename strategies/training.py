@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.training_loop import run_epochs
 from tf_agn.strategies.commit_server import APPLIED
@@ -252,15 +253,16 @@ def evaluate(model, data):
     if isinstance(data, tuple):
         data = tf.data.Dataset.from_tensor_slices(data).batch(256)
     model.reset_metrics()
+    loss, metrics = _compat.compiled_loss(model), _compat.compiled_metrics(model)
     total, count = 0.0, 0
     for batch in data:
         x, y = batch[:2]
         y_pred = model(x, training=False)
         size = int(tf.shape(y_pred)[0])
-        total += float(model._compile_loss(y, y_pred)) * size
+        total += float(loss(y, y_pred)) * size
         count += size
-        if model._compile_metrics is not None:
-            model._compile_metrics.update_state(y, y_pred)
+        if metrics is not None:
+            metrics.update_state(y, y_pred)
     results = {"loss": total / max(count, 1)}
     results.update(_metric_results(model))
     return results
@@ -370,9 +372,10 @@ def build_compiled_metrics(model, dataset):
     x, y = next(iter(dataset))[:2]
     with model.distribute_strategy.scope():
         y_pred = model(x, training=False)
-        model._compile_loss(y, y_pred)
-        if model._compile_metrics is not None:
-            model._compile_metrics.update_state(y, y_pred)
+        _compat.compiled_loss(model)(y, y_pred)
+        metrics = _compat.compiled_metrics(model)
+        if metrics is not None:
+            metrics.update_state(y, y_pred)
     model.reset_metrics()
 
 
@@ -387,11 +390,10 @@ def _checkpoint_manager(model, server, checkpoint_dir):
 
 
 def _metric_results(model):
-    if model._compile_metrics is None:
+    metrics = _compat.compiled_metrics(model)
+    if metrics is None:
         return {}
-    return {
-        name: float(value) for name, value in model._compile_metrics.result().items()
-    }
+    return {name: float(value) for name, value in metrics.result().items()}
 
 
 def _mean(values):

@@ -70,7 +70,7 @@ class Worker:
             y_pred, _, losses = self.model.stateless_call(
                 values, non_trainable, x, training=True, return_losses=True
             )
-            loss = self.model._compile_loss(y, y_pred, sample_weight)
+            loss = _compat.compiled_loss(self.model)(y, y_pred, sample_weight)
             if losses:
                 loss = loss + tf.add_n(losses)
         gradients = tape.gradient(loss, values)

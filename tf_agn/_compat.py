@@ -65,6 +65,34 @@ What we need from Keras, and why:
 - `LossFunctionWrapper` and `CompileMetrics`: the loss and metrics objects
   `keras.Model.compile` builds from what users pass, for `DecoupledModel`,
   which compiles like a Keras model but is not one.
+- `Trainer._compile_loss` and `_compile_metrics`: the loss and metrics
+  objects a compiled model keeps (`compiled_loss`, `compiled_metrics`).
+  The parameter-server trainer runs its own steps and evaluation rather
+  than `fit`'s, so it calls them directly: the public `compute_loss` adds
+  the losses of the model's own state, not those a `stateless_call` with a
+  worker's weights returns, and `model.metrics` has no
+  `update_state(y, y_pred)` for the compiled metrics alone.
+- `Function._nodes_by_depth`: the nodes of a functional model's graph by
+  their depth from the output (`nodes_by_depth`), which `split_model` cuts
+  in topological order; Keras has no public traversal of a graph's nodes.
+- `TFOptimizer._distribution_strategy`: the strategy in scope when a
+  Keras optimizer was created, which it updates through from then on
+  (`creation_strategy`): its default aggregation, the replicas a windowed
+  optimizer's commits run on, and a clear error when an optimizer is used
+  under another strategy.
+- `BaseOptimizer._trainable_variables`: the variables an optimizer was
+  built for (`built_variables`), whose centers a windowed optimizer keeps
+  and swaps; `build` takes them but no public attribute gives them back.
+- `BaseOptimizer._learning_rate`: the learning rate as it was given, a
+  variable, a `LearningRateSchedule` or a callable (`learning_rate_source`);
+  the public `learning_rate` evaluates the latter two, hiding which
+  variable of `optimizer.variables` is the rate and whether a schedule is
+  checkable before training.
+- `BaseOptimizer._backend_apply_gradients`, `_clip_gradients`,
+  `_apply_weight_decay` and `_backend_update_step` as hooks:
+  `tf_agn.optimizers.Aggregating` overrides them, calling Keras' own
+  through `super()` or the functions above, to clip after the all-reduce,
+  route accumulated steps through tf_agn and communicate by itself.
 """
 
 import contextlib
@@ -226,6 +254,44 @@ def reference_variable_name(reference_variable, name):
 def track_variable(optimizer, variable):
     """Makes `variable` one of `optimizer.variables`, saved with it."""
     optimizer._track_variable(variable)
+
+
+def compiled_loss(model):
+    """The loss `model.compile` built, a callable
+    `(y, y_pred, sample_weight=None)` that returns the compiled loss alone
+    (no regularization losses); None before `compile`."""
+    return model._compile_loss
+
+
+def compiled_metrics(model):
+    """The `CompileMetrics` `model.compile` built from its `metrics`
+    argument, or None when it was given none."""
+    return model._compile_metrics
+
+
+def nodes_by_depth(functional):
+    """`{depth: [node, ...]}` of a functional model's graph: the output's
+    node is at depth 0, and a node is deeper than every node it feeds."""
+    return functional._nodes_by_depth
+
+
+def creation_strategy(optimizer):
+    """The `tf.distribute.Strategy` that was in scope when `optimizer` was
+    created, which Keras' TensorFlow optimizer updates its variables
+    through."""
+    return optimizer._distribution_strategy
+
+
+def built_variables(optimizer):
+    """The trainable variables `optimizer` was built for, in `build`'s
+    order."""
+    return optimizer._trainable_variables
+
+
+def learning_rate_source(optimizer):
+    """`optimizer`'s learning rate as it keeps it: the variable among its
+    `variables`, a `LearningRateSchedule`, or a callable."""
+    return optimizer._learning_rate
 
 
 def set_initial_epoch(model, epoch):

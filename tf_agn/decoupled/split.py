@@ -6,6 +6,8 @@ import math
 import keras
 import numpy as np
 
+from tf_agn import _compat
+
 BALANCES = ("params", "flops")
 
 
@@ -107,10 +109,11 @@ def _graph(model):
     graph = keras.Model(inputs, outputs)
     # Deeper nodes are farther from the output: descending depth is a
     # topological order.
+    by_depth = _compat.nodes_by_depth(graph)
     nodes = [
         node
-        for depth in sorted(graph._nodes_by_depth, reverse=True)
-        for node in graph._nodes_by_depth[depth]
+        for depth in sorted(by_depth, reverse=True)
+        for node in by_depth[depth]
         if not isinstance(node.operation, keras.layers.InputLayer)
     ]
     operations = [node.operation for node in nodes]

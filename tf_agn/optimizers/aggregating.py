@@ -94,7 +94,7 @@ class Aggregating:
         """The method in force: our own, or the strategy's default."""
         if self.aggregation_method is not None:
             return self.aggregation_method
-        return default_aggregation(self._distribution_strategy)
+        return default_aggregation(_compat.creation_strategy(self))
 
     def build(self, variables):
         if self.built:
@@ -194,10 +194,11 @@ def check_strategy(optimizer):
     tf.distribute.Strategy objects") does not say what to do.
     """
     current = tf.distribute.get_strategy()
-    if current is not optimizer._distribution_strategy:
+    created_under = _compat.creation_strategy(optimizer)
+    if current is not created_under:
         raise ValueError(
             f"Optimizer {optimizer.name!r} was created under "
-            f"{type(optimizer._distribution_strategy).__name__} but is used "
+            f"{type(created_under).__name__} but is used "
             f"under {type(current).__name__}. Create it inside the "
             "`strategy.scope()` where the model is compiled."
         )

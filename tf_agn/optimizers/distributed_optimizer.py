@@ -150,7 +150,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return super().variables + self.inner_optimizer.variables
 
     def apply(self, grads, trainable_variables=None):
         self.inner_optimizer.apply(grads, trainable_variables)

@@ -127,13 +127,13 @@ class WindowedOptimizer(DistributedOptimizer):
         """The `AggregationMethod` the commits use."""
         if self.commit_aggregation is not None:
             return self.commit_aggregation
-        return default_aggregation(self._distribution_strategy)
+        return default_aggregation(_compat.creation_strategy(self))
 
     def build(self, var_list):
         if self.built:
             return
         if isinstance(
-            self._distribution_strategy,
+            _compat.creation_strategy(self),
             tf.distribute.experimental.ParameterServerStrategy,
         ):
             # Keras 3's fit and train steps cannot drive this strategy; its
@@ -250,7 +250,7 @@ class WindowedOptimizer(DistributedOptimizer):
 
     def _commit(self):
         """A synchronous commit, in replica context."""
-        variables = self._trainable_variables
+        variables = _compat.built_variables(self)
         deltas = [
             self.commit_delta(variable, center)
             for variable, center in zip(variables, self._centers)
@@ -301,11 +301,11 @@ class WindowedOptimizer(DistributedOptimizer):
         """Returns a graph function that runs `fn` on every replica."""
         # `strategy.run` goes inside the tf.function, as TensorFlow requires
         # for functions that synchronize replicas.
-        return tf.function(lambda: self._distribution_strategy.run(fn))
+        return tf.function(lambda: _compat.creation_strategy(self).run(fn))
 
     def _swap(self):
         # In replica context each assign writes this replica's copy only.
-        for variable, center in zip(self._trainable_variables, self._centers):
+        for variable, center in zip(_compat.built_variables(self), self._centers):
             # `tf.identity` takes a snapshot; a converted variable would be
             # read only when used, after the assign below.
             local = tf.identity(variable.value)
@@ -358,7 +358,7 @@ def optimizer_state(optimizer):
     Returns:
         The list of its state variables (e.g. Adam's moments).
     """
-    counters = {id(optimizer.iterations), id(optimizer._learning_rate)}
+    counters = {id(optimizer.iterations), id(_compat.learning_rate_source(optimizer))}
     communication = getattr(optimizer, "_communication", None)
     if communication is not None:
         counters.update((id(communication.calls), id(communication.bytes)))
@@ -396,7 +396,7 @@ def _check_outer_optimizer(outer_optimizer):
             "outer_optimizer must be a keras.optimizers.Optimizer; received "
             f"{outer_optimizer!r}."
         )
-    rate = outer_optimizer._learning_rate
+    rate = _compat.learning_rate_source(outer_optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return
     if callable(rate):
