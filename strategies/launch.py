@@ -46,6 +46,12 @@ localhost ports, with its own `TF_CONFIG`
 Worker 0's output passes through; every other line is prefixed with
 "[worker i]". If one worker fails, the others are stopped (they would wait
 for it for ever), and the launcher exits with the first failure's code.
+
+With `--max_restarts K`, a failed group is started again instead, on fresh
+ports, up to K times; the launcher prints which worker failed and how each
+time. Training resumes where it left off only if the command restores
+itself, e.g. with `tf_agn.callbacks.BackupAndRestore`. Ctrl-C and SIGTERM
+stop everything and never restart.
 """
 
 import argparse
@@ -56,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 from tf_agn.strategies import server
 from tf_agn.strategies.cluster import LocalCluster
@@ -76,7 +83,7 @@ def parse_args(argv):
         description="Runs COMMAND as the coordinator of a local cluster.",
         usage=(
             "%(prog)s [--workers N] [--ps N] [--start_timeout S] -- COMMAND ...\n"
-            "       %(prog)s --multi_worker N -- COMMAND ..."
+            "       %(prog)s --multi_worker N [--max_restarts K] -- COMMAND ..."
         ),
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks")
@@ -94,13 +101,29 @@ def parse_args(argv):
         help="run COMMAND as this many workers of a multi-worker cluster "
         "instead (--workers and --ps do not apply)",
     )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="with --multi_worker: how many times to restart every worker "
+        "when one fails (default 0: stop and exit with its code)",
+    )
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         parser.error("give the command to run after '--'")
     split = argv.index("--")
     options = parser.parse_args(argv[:split])
     if options.multi_worker < 0:
         parser.error(f"--multi_worker must be >= 0; received {options.multi_worker}")
+    if options.max_restarts < 0:
+        parser.error(f"--max_restarts must be >= 0; received {options.max_restarts}")
+    if options.max_restarts and not options.multi_worker:
+        parser.error("--max_restarts applies to --multi_worker clusters only")
     return options, argv[split + 1 :]
+
+
+def _exit_code(returncode):
+    """A `Popen.returncode` as a shell reports it: 128 + N for signal N."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def run(command, env):
@@ -120,7 +143,7 @@ def run(command, env):
         except subprocess.TimeoutExpired:
             process.kill()
             returncode = process.wait()
-    return 128 - returncode if returncode < 0 else returncode
+    return _exit_code(returncode)
 
 
 def _interrupt(signum, frame):
@@ -143,12 +166,37 @@ def _relay(stream, prefix):
         sys.stdout.flush()
 
 
-def run_workers(command, num_workers):
-    """Runs `command` as every worker of a local multi-worker cluster.
+def _describe_exit(returncode):
+    """How a process ended, in words: "exited with code 5" or "was killed
+    by SIGKILL"."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class WorkerFailure(typing.NamedTuple):
+    """The first worker of a group that ended with an error."""
+
+    index: int
+    returncode: int  # Popen's: negative for a signal
+
+
+def run_worker_group(command, num_workers):
+    """Runs `command` once as every worker of a fresh local multi-worker
+    cluster (new free ports, new `TF_CONFIG`s), until all succeed or one
+    fails; then no worker is left running.
 
     Returns:
-        0 if every worker exits with 0, else the first failure's code
-        (128 + N for a worker killed by signal N).
+        None if every worker exits with 0, else the `WorkerFailure` of the
+        first worker seen failing.
+
+    Raises:
+        KeyboardInterrupt: on Ctrl-C or SIGTERM, after every worker has
+            been given `_INTERRUPT_GRACE_S` to exit on SIGINT and killed.
     """
     tf_configs = multi_worker_tf_configs(num_workers)
     addresses = tf_configs[0]["cluster"]["worker"]
@@ -172,13 +220,11 @@ def run_workers(command, num_workers):
                 relays.append(relay)
         while True:
             codes = [p.poll() for p in processes]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                returncode = failed[0]
-                break
+            for index, code in enumerate(codes):
+                if code not in (None, 0):
+                    return WorkerFailure(index, code)
             if all(c == 0 for c in codes):
-                returncode = 0
-                break
+                return None
             time.sleep(0.1)
     except KeyboardInterrupt:
         for process in processes:
@@ -187,7 +233,7 @@ def run_workers(command, num_workers):
         deadline = time.monotonic() + _INTERRUPT_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in processes):
             time.sleep(0.1)
-        returncode = -signal.SIGINT
+        raise
     finally:
         for process in processes:
             if process.poll() is None:
@@ -195,7 +241,44 @@ def run_workers(command, num_workers):
             process.wait()
         for relay in relays:
             relay.join(timeout=5)
-    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_workers(command, num_workers, max_restarts=0):
+    """Runs `command` as every worker of a local multi-worker cluster,
+    restarting the whole group when a worker fails.
+
+    A multi-worker cluster cannot go on without one of its workers (the
+    others' collectives fail), so a failure stops every worker; then, up to
+    `max_restarts` times, a new group starts on fresh ports. The command is
+    expected to resume from its own backups (`tf_agn.callbacks.
+    BackupAndRestore`). Each failure is printed: which worker, how it ended,
+    and whether a restart follows.
+
+    Args:
+        command: the command line every worker runs.
+        num_workers: how many workers.
+        max_restarts: how many times a failed group is started again.
+
+    Returns:
+        0 if a group succeeds, else the last failure's exit code (128 + N
+        for a worker killed by signal N, 128 + SIGINT when interrupted).
+    """
+    for attempt in range(max_restarts + 1):
+        try:
+            failure = run_worker_group(command, num_workers)
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
+        if failure is None:
+            return 0
+        what = f"Worker {failure.index} {_describe_exit(failure.returncode)}"
+        if attempt == max_restarts:
+            print(f"{what}; stopped every worker.", flush=True)
+            return _exit_code(failure.returncode)
+        print(
+            f"{what}; restarting every worker (restart {attempt + 1} of "
+            f"{max_restarts}).",
+            flush=True,
+        )
 
 
 def main(argv=None):
@@ -204,7 +287,7 @@ def main(argv=None):
     # cluster torn down.
     signal.signal(signal.SIGTERM, _interrupt)
     if args.multi_worker:
-        return run_workers(command, args.multi_worker)
+        return run_workers(command, args.multi_worker, args.max_restarts)
     with LocalCluster(
         args.workers, args.ps, mode="processes", start_timeout=args.start_timeout
     ) as cluster:

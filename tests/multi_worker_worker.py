@@ -85,6 +85,8 @@ from multi_worker_data import replica_slices  # noqa: E402
 
 from contract import aggregate_results  # noqa: E402
 from contract import contract_results  # noqa: E402
+from worker_cluster import wait_for_files  # noqa: E402
+from worker_cluster import write_results  # noqa: E402
 
 TASK_INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 if TASK_INDEX == 0:
@@ -222,11 +224,10 @@ def main(inputs_path, model_path, out_dir):
     # replica context (`replica_context.all_reduce`).
     train(lambda: keras.optimizers.SGD(learning_rate), "keras_sgd")
 
-    path = os.path.join(out_dir, f"worker{task_index}.npz")
-    np.savez(path + ".partial.npz", **result)
-    os.replace(path + ".partial.npz", path)
-    log(f"wrote {path}")
-    wait_for_peers(out_dir)
+    write_results(out_dir, task_index, result)
+    log("wrote the results")
+    num_workers = strategy.num_replicas_in_sync  # one replica each
+    wait_for_files([os.path.join(out_dir, f"worker{i}.npz") for i in range(num_workers)])
 
 
 def local_value(strategy, make):
@@ -380,16 +381,6 @@ def keras_fix_results(strategy, dataset):
         out[f"keras_fix/{name}"] = np.array(errors)
     out["keras_fix/integer_mean"] = np.asarray(result)  # ours, the last call
     return out
-
-
-def wait_for_peers(out_dir, timeout=60):
-    """Returns once every worker has written its results, so that no peer
-    can still need this worker's collectives (or after `timeout` s)."""
-    num_workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
-    paths = [os.path.join(out_dir, f"worker{i}.npz") for i in range(num_workers)]
-    deadline = time.monotonic() + timeout
-    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":

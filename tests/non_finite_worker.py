@@ -22,11 +22,9 @@ TensorFlow's slow cluster shutdown.
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_agn  # noqa: E402
@@ -46,6 +44,8 @@ from overflow import case_key  # noqa: E402
 from overflow import loss_scale_per_replica  # noqa: E402
 from overflow import mixed_float16  # noqa: E402
 from overflow import tf_agn_optimizer  # noqa: E402
+from worker_cluster import wait_for_files  # noqa: E402
+from worker_cluster import write_results  # noqa: E402
 
 # What each of the NUM_BATCHES batches is recorded as, once fitted.
 STAGES = ("before", "after", "final")
@@ -96,19 +96,8 @@ def main(out_dir):
     for name, accumulation_steps in MULTI_WORKER_CASES:
         result.update(run_case(name, accumulation_steps, x, y))
     task_index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    path = os.path.join(out_dir, f"worker{task_index}.npz")
-    np.savez(path + ".partial.npz", **result)
-    os.replace(path + ".partial.npz", path)
-    wait_for_peers(out_dir)
-
-
-def wait_for_peers(out_dir, timeout=60):
-    """Returns once every worker has written its results, so that no peer
-    can still need this worker's collectives (or after `timeout` s)."""
-    paths = [os.path.join(out_dir, f"worker{i}.npz") for i in range(NUM_REPLICAS)]
-    deadline = time.monotonic() + timeout
-    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    write_results(out_dir, task_index, result)
+    wait_for_files([os.path.join(out_dir, f"worker{i}.npz") for i in range(NUM_REPLICAS)])
 
 
 if __name__ == "__main__":

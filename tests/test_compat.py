@@ -35,7 +35,8 @@ def test_per_replica_helpers():
         lambda context: tf.constant(1.0)
     )
     assert _compat.check_destinations(value)
-    assert len(_compat.get_devices_from(value, True)) == len(DEVICES)
+    ops = tf.distribute.ReductionToOneDevice()
+    assert len(_compat.devices_of(value, ops)) == len(DEVICES)
     single = _compat.make_tensor_into_per_replica(tf.constant(2.0))
     assert len(single.values) == 1
     mirrored = _compat.regroup(tuple(value.values), wrap_class=_compat.Mirrored)
@@ -240,8 +241,6 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     "os._exit": "Python's documented exit without clean-up, not Keras or TensorFlow.",
     "optimizer._communication": "tf_agn's own CommunicationCounter on its optimizers, "
     "read across modules (tf_agn/communication.py).",
-    "self._canonicalize_devices": "TensorFlow's CrossDeviceOps attribute, read by "
-    "tf_agn/cross_device_ops.py; to move behind _compat (issue 19).",
 }
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")

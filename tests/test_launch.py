@@ -189,7 +189,11 @@ def test_launch_multi_worker_trains_the_example_across_two_processes():
     assert ports, output
     assert f"without authentication, on port(s) {', '.join(ports.groups())}:" in output
     accuracies = {}
-    for prefix, value in re.findall(r"^(\[worker 1\] )?test_accuracy=([\d.]+)$", result.stdout, re.M):
+    # Not anchored to lines: worker 0 writes its output itself while the
+    # launcher relays worker 1's, so with unbuffered output (e.g.
+    # PYTHONUNBUFFERED=1) a relayed line can land between worker 0's text
+    # and its newline.
+    for prefix, value in re.findall(r"(\[worker 1\] )?test_accuracy=([\d.]+)", result.stdout):
         accuracies[prefix or "worker 0"] = float(value)
     # Each worker evaluates the (shared) model on its shard of the test set.
     assert len(accuracies) == 2, output
@@ -204,7 +208,9 @@ import json, os, pathlib, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
 index = config["task"]["index"]
 workers = len(config["cluster"]["worker"])
-print(f"worker {index} of", workers, flush=True)
+# One string: unbuffered, print writes its arguments one by one, and the
+# launcher may relay a peer's line between them.
+print(f"worker {index} of {workers}", flush=True)
 started = pathlib.Path(os.environ["STARTED_DIR"])
 (started / str(index)).touch()
 if index == 1:

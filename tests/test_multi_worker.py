@@ -14,15 +14,8 @@ what each wrote with numpy references. They also run the whole
 than the others.
 """
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -40,6 +33,7 @@ from mlp import METHODS
 from mlp import build_mlp
 from mlp import data
 from mlp import initial_params
+from worker_cluster import run_workers
 
 ROWS_STEPS = 3  # data(3): 48 rows
 # Global batch per cluster size: 3 steps of 16 rows, or 2 of 24.
@@ -59,85 +53,7 @@ AGGREGATE_RTOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-6}
 COMPRESSED_RTOL = 4e-3
 
 
-def _free_ports(count):
-    """Ports nothing listens on now: bound to port 0 together (so they are
-    distinct), then released for the workers' gRPC servers."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _worker_env(cluster, index):
-    env = dict(os.environ)
-    for name in list(env):  # gRPC would send localhost traffic to a proxy
-        if name.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy"):
-            del env[name]
-    source_root = os.path.dirname(os.path.dirname(os.path.abspath(tf_agn.__file__)))
-    env.update(
-        TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
-        TF_CPP_MIN_LOG_LEVEL="2",
-        CUDA_VISIBLE_DEVICES="",  # CPU only: one replica per worker
-        # The tf_agn this test imported (checkout or Bazel runfiles).
-        PYTHONPATH=os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")])),
-    )
-    return env
-
-
-def _tail(path, limit=4000):
-    with open(path, "rb") as f:
-        text = f.read().decode("utf-8", "replace")
-    return text[-limit:]
-
-
-def _start_workers(workdir, args, num_workers):
-    """Starts the cluster's workers and waits up to TIMEOUT_S for them.
-
-    Returns their exit codes and log paths, and whether they timed out.
-    Whatever happens, no worker outlives this call.
-    """
-    cluster = {"worker": [f"localhost:{port}" for port in _free_ports(num_workers)]}
-    processes, logs = [], []
-    timed_out = False
-    try:
-        for index in range(num_workers):
-            logs.append(workdir / f"worker{index}.log")
-            with open(logs[-1], "wb") as log:
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, WORKER_SCRIPT, *args, str(workdir)],
-                        env=_worker_env(cluster, index),
-                        cwd=str(workdir),
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # its own group, killed below
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in processes):
-            # A worker that failed leaves its peers waiting on collectives.
-            if any(p.returncode not in (None, 0) for p in processes):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.2)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return [p.returncode for p in processes], logs, timed_out
-
-
-def _run_cluster(workdir, num_workers, attempts=3):
+def _run_cluster(workdir, num_workers):
     """Runs every worker to completion and returns their results."""
     x, y = data(ROWS_STEPS)
     inputs = str(workdir / "inputs.npz")
@@ -147,33 +63,7 @@ def _run_cluster(workdir, num_workers, attempts=3):
     )
     model = str(workdir / "mlp.keras")
     build_mlp(initial_params()).save(model)
-
-    for attempt in range(attempts):
-        rundir = workdir / f"attempt{attempt}"
-        rundir.mkdir()
-        codes, logs, timed_out = _start_workers(rundir, [inputs, model], num_workers)
-        if not timed_out and not any(codes):
-            break
-        texts = [_tail(log) for log in logs]
-        # Another process took a port between _free_ports and the worker's
-        # bind: pick new ones.
-        if timed_out or not any("Could not start gRPC server" in t for t in texts):
-            break
-    if timed_out or any(codes):
-        report = "\n".join(
-            f"--- worker {i} (exit {code}) ---\n{text}"
-            for i, (code, text) in enumerate(zip(codes, texts))
-        )
-        reason = f"timed out after {TIMEOUT_S} s" if timed_out else "failed"
-        pytest.fail(
-            f"MultiWorkerMirroredStrategy workers {reason} ({rundir}):\n{report}",
-            pytrace=False,
-        )
-    results = []
-    for index in range(num_workers):
-        with np.load(rundir / f"worker{index}.npz") as npz:
-            results.append(dict(npz))
-    return results
+    return run_workers(WORKER_SCRIPT, [inputs, model], workdir, num_workers, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}_workers")

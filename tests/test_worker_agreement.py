@@ -18,10 +18,10 @@ import pytest
 import tensorflow as tf
 
 import tf_agn
-from test_multi_worker import _free_ports
-from test_multi_worker import _worker_env
 from tf_agn import agreement
 from tf_agn.strategies import rendezvous
+from tf_agn.strategies.ports import free_ports
+from worker_cluster import worker_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings_worker.py")
 MIB = 2**20
@@ -31,7 +31,7 @@ class Workers:
     """Worker processes of one localhost cluster, all killed on exit."""
 
     def __init__(self, num_workers, start=None):
-        ports = _free_ports(num_workers)
+        ports = free_ports(num_workers)
         self.cluster = {"worker": [f"localhost:{port}" for port in ports]}
         self.processes = {}
         self.start = range(num_workers) if start is None else start
@@ -45,7 +45,7 @@ class Workers:
         for index in self.start:
             self.processes[index] = subprocess.Popen(
                 [sys.executable, WORKER, *map(str, settings[index])],
-                env=_worker_env(self.cluster, index),
+                env=worker_env(self.cluster, index),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -14,7 +14,8 @@ What we need from TensorFlow, and why:
   instance-key counters and ordering tokens of tf_agn's collectives, as
   TensorFlow's own collective launcher makes its tokens. `tf.Variable`
   under a `MirroredStrategy` scope would make a mirrored variable.
-- `cross_device_ops.check_destinations`, `get_devices_from` and
+- `cross_device_ops.check_destinations`, `get_devices_from` (with the
+  ops' private `_canonicalize_devices` flag: `devices_of`) and
   `_make_tensor_into_per_replica`: how TensorFlow's own cross-device ops
   read the `destinations` and values they are given.
 - `distribute_utils.regroup` and `values.Mirrored`: building the
@@ -115,7 +116,14 @@ TESTED_VERSIONS = {"tensorflow": ("2.21", "2.22"), "keras": ("3.15", "3.16")}
 
 Mirrored = _tf_values.Mirrored
 check_destinations = _tf_cross_device_ops.check_destinations
-get_devices_from = _tf_cross_device_ops.get_devices_from
+
+
+def devices_of(value, ops):
+    """The device names of `value` (a distributed value, a variable or a
+    device string), canonicalized as the `CrossDeviceOps` `ops` was told
+    to (its constructor's `canonicalize_devices`)."""
+    return _tf_cross_device_ops.get_devices_from(value, ops._canonicalize_devices)
+
 make_tensor_into_per_replica = _tf_cross_device_ops._make_tensor_into_per_replica
 regroup = _tf_distribute_utils.regroup
 

@@ -1,7 +1,8 @@
-"""Keras callbacks for tf_agn's optimizers."""
+"""Keras callbacks for tf_agn's optimizers and fault-tolerant training."""
 
 import keras
 
+from tf_agn.backup_and_restore import BackupAndRestore  # noqa: F401
 from tf_agn.optimizers.windowed import WindowedOptimizer
 
 

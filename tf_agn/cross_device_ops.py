@@ -441,7 +441,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         """Where results go: the devices `destinations` name, or else the
         devices of `value`'s replicas."""
         if destinations is not None and _compat.check_destinations(destinations):
-            devices = _compat.get_devices_from(destinations, self._canonicalize_devices)
+            devices = _compat.devices_of(destinations, self)
             if all(devices):
                 return devices
         return self._source_devices(value, destinations)
@@ -454,7 +454,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         on the device of the same index among the destinations, or else
         among the devices of the strategy in scope.
         """
-        devices = _compat.get_devices_from(value, self._canonicalize_devices)
+        devices = _compat.devices_of(value, self)
         # Replicas on one device (values made eagerly outside the replicas'
         # scopes, all on the default device) do not say where they belong.
         if all(devices) and len(set(devices)) == len(devices):
@@ -462,7 +462,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         candidates = []
         if destinations is not None and _compat.check_destinations(destinations):
             candidates.append(
-                _compat.get_devices_from(destinations, self._canonicalize_devices)
+                _compat.devices_of(destinations, self)
             )
         if tf.distribute.has_strategy():
             candidates.append(tf.distribute.get_strategy().extended.worker_devices)

@@ -1,0 +1,405 @@
+"""Restarts that lose nothing: `tf_agn.callbacks.BackupAndRestore` and the
+launcher's `--max_restarts`.
+
+In this process (4 logical CPUs, conftest): an interrupted `fit` resumed by
+a fresh model from the backup ends exactly where an uninterrupted one does,
+on every replica, with AGN's per-replica inner Adam moments mid-window;
+the files on disk follow the write protocol. In real processes: the
+launcher restarts a failing group, and a 2-worker cluster whose worker 1
+SIGKILLs itself mid-epoch resumes and ends with the uninterrupted run's
+weights.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import restart_model
+import tf_agn
+from conftest import DEVICES
+from scripts import checkout_env
+from tf_agn.backup_and_restore import POINTER
+from tf_agn.strategies import launch
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
+TIMEOUT_S = 240
+# The kill in restart_worker.py: before batch 3 of epoch 2 (0-based), so
+# with save_freq 2 the last backup is at epoch 2, step 2: one step redone.
+KILL_EPOCH, KILL_BATCH = 2, 3
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt before batch `batch` of epoch `epoch`, as a
+    Ctrl-C would."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.stop_at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.stop_at:
+            raise KeyboardInterrupt(f"interrupted before epoch {self.epoch} batch {batch}")
+
+
+def _fit(model, callbacks=(), epochs=restart_model.EPOCHS):
+    x, y = restart_model.data()
+    return model.fit(
+        x, y, batch_size=restart_model.GLOBAL_BATCH, epochs=epochs, shuffle=False,
+        verbose=0, callbacks=list(callbacks),
+    )
+
+
+def _interrupted_fit(model, backup_dir, epoch, batch, **backup_kwargs):
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, [tf_agn.callbacks.BackupAndRestore(backup_dir, **backup_kwargs),
+                     Interrupt(epoch, batch)])
+
+
+def _pointer(backup_dir):
+    with open(os.path.join(backup_dir, POINTER)) as f:
+        return json.load(f)
+
+
+def _assert_states_equal(got, want, atol):
+    assert len(got) == len(want)  # replicas
+    for replica, (got_arrays, want_arrays) in enumerate(zip(got, want)):
+        for index, (g, w) in enumerate(zip(got_arrays, want_arrays, strict=True)):
+            np.testing.assert_allclose(
+                g, w, rtol=0, atol=atol, err_msg=f"replica {replica}, variable {index}"
+            )
+
+
+# In this process ----------------------------------------------------------
+
+
+def test_resumed_agn_run_equals_an_uninterrupted_one_on_every_replica(tmp_path):
+    strategy = tf_agn.strategies.mirrored()
+    reference = restart_model.build_model(strategy)
+    reference_history = _fit(reference)
+    want = restart_model.training_state(reference)
+    # Otherwise restoring replica 0's copy everywhere (what a .keras file
+    # holds) would pass too: the inner Adam moments differ per replica.
+    variables = reference.variables + reference.optimizer.variables
+    moments = [i for i, v in enumerate(variables) if v.path.endswith("momentum")]
+    assert len(moments) == 4
+    for i in moments:
+        assert not np.allclose(want[1][i], want[0][i], rtol=0.1, atol=0), variables[i].path
+
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(restart_model.build_model(strategy), backup_dir, 2, 3, save_freq=2)
+    # 4 steps per epoch; backups every 2 steps; stopped after 3 of epoch 2.
+    pointer = _pointer(backup_dir)
+    assert (pointer["epoch"], pointer["step"]) == (2, 2), pointer
+    global_step = 2 * 4 + 2
+    assert global_step % restart_model.LOCAL_STEPS, "the backup must fall mid-window"
+    with np.load(os.path.join(backup_dir, f"ckpt-{pointer['checkpoint']}.worker-0.npz")) as npz:
+        assert any(key.endswith("/3") for key in npz.files), "no per-replica copy saved"
+
+    resumed = restart_model.build_model(strategy)  # fresh weights and optimizer
+    history = _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+    _assert_states_equal(restart_model.training_state(resumed), want, atol=1e-6)
+    # Epochs 2 to 4 ran; the interrupted epoch's loss covers all its batches.
+    np.testing.assert_allclose(
+        history.history["loss"], reference_history.history["loss"][2:], rtol=1e-6
+    )
+    assert not os.path.exists(backup_dir)  # delete_checkpoint=True
+
+
+def test_resume_without_a_strategy_and_several_steps_per_execution(tmp_path):
+    strategy = tf.distribute.get_strategy()
+    reference = restart_model.build_model(strategy, steps_per_execution=2)
+    _fit(reference)
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(
+        restart_model.build_model(strategy, steps_per_execution=2), backup_dir, 3, 2,
+        save_freq=2,
+    )
+    assert (_pointer(backup_dir)["epoch"], _pointer(backup_dir)["step"]) == (3, 2)
+    resumed = restart_model.build_model(strategy, steps_per_execution=2)
+    history = _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+    assert len(history.history["loss"]) == 2  # epochs 3 and 4
+    _assert_states_equal(
+        restart_model.training_state(resumed),
+        restart_model.training_state(reference),
+        atol=1e-6,
+    )
+
+
+def test_epoch_backups_resume_at_the_next_epoch_and_fit_leaves_no_state(tmp_path):
+    strategy = tf.distribute.get_strategy()
+    reference = restart_model.build_model(strategy)
+    _fit(reference)
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(restart_model.build_model(strategy), backup_dir, 3, 1)
+    assert _pointer(backup_dir)["epoch"] == 3 and _pointer(backup_dir)["step"] == 0
+    resumed = restart_model.build_model(strategy)
+    callback = tf_agn.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    history = _fit(resumed, [callback])
+    assert len(history.history["loss"]) == 2
+    _assert_states_equal(
+        restart_model.training_state(resumed),
+        restart_model.training_state(reference),
+        atol=1e-6,
+    )
+    # The next fit of the same model, without the callback, starts at epoch 0.
+    assert len(_fit(resumed, epochs=1).history["loss"]) == 1
+
+
+def test_only_complete_published_backups_are_restored(tmp_path):
+    strategy = tf.distribute.get_strategy()
+    backup_dir = tmp_path / "backup"
+    _interrupted_fit(
+        restart_model.build_model(strategy), str(backup_dir), 1, 3, save_freq=1,
+        delete_checkpoint=False,
+    )
+    pointer = _pointer(backup_dir)
+    last = pointer["checkpoint"]
+    assert (pointer["epoch"], pointer["step"], last) == (1, 3, 6)
+    # The previous backup stays until the next is published; no temporaries.
+    assert sorted(os.listdir(backup_dir)) == [
+        f"ckpt-{last - 1}.worker-0.npz", f"ckpt-{last}.worker-0.npz", POINTER,
+    ]
+    # A process that died after writing the next backup's file, or in the
+    # middle of it, before the pointer moved: neither is read.
+    (backup_dir / f"ckpt-{last + 1}.worker-0.npz").write_bytes(b"never published")
+    (backup_dir / f"ckpt-{last + 2}.worker-0.npz.tmp").write_bytes(b"half writt")
+    model = restart_model.build_model(strategy)
+    history = _fit(
+        model, [tf_agn.callbacks.BackupAndRestore(str(backup_dir), save_freq=1,
+                                                  delete_checkpoint=False)]
+    )
+    assert len(history.history["loss"]) == restart_model.EPOCHS - 1
+    assert not any(name.endswith(".tmp") for name in os.listdir(backup_dir))
+    # Without a pointer there is nothing to restore, whatever files remain.
+    os.remove(backup_dir / POINTER)
+    history = _fit(
+        restart_model.build_model(strategy),
+        [tf_agn.callbacks.BackupAndRestore(str(backup_dir), save_freq=1)],
+    )
+    assert len(history.history["loss"]) == restart_model.EPOCHS
+    assert not backup_dir.exists()
+
+
+def test_a_backup_of_another_model_is_refused(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(restart_model.build_model(tf.distribute.get_strategy()), backup_dir, 1, 0)
+    other = keras.Sequential([keras.Input((restart_model.FEATURES,)), keras.layers.Dense(3)])
+    other.compile(optimizer="adam", loss="mse")
+    x, y = restart_model.data()
+    with pytest.raises(ValueError, match="another model"):
+        other.fit(x, y, epochs=1, verbose=0,
+                  callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir)])
+
+
+def test_a_backup_from_another_cluster_shape_is_refused(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(restart_model.build_model(tf_agn.strategies.mirrored()), backup_dir, 1, 0)
+    model = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:2]))
+    with pytest.raises(ValueError, match="with 4 replicas; this cluster .* with 2"):
+        _fit(model, [tf_agn.callbacks.BackupAndRestore(backup_dir)])
+
+
+@pytest.mark.parametrize("save_freq", [0, -2, 1.5, True, "batch", None])
+def test_bad_save_freq_is_refused(tmp_path, save_freq):
+    with pytest.raises(ValueError, match='save_freq must be "epoch" or an int >= 1'):
+        tf_agn.callbacks.BackupAndRestore(str(tmp_path), save_freq=save_freq)
+
+
+def test_bad_backup_dir_is_refused_and_config_round_trips(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        tf_agn.callbacks.BackupAndRestore("")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(OSError):
+        tf_agn.callbacks.BackupAndRestore(str(a_file / "backup"))
+    callback = tf_agn.callbacks.BackupAndRestore(tmp_path / "b", save_freq=7,
+                                                 delete_checkpoint=False)
+    config = callback.get_config()
+    assert config == {"backup_dir": str(tmp_path / "b"), "save_freq": 7,
+                      "delete_checkpoint": False}
+    assert tf_agn.callbacks.BackupAndRestore(**config).get_config() == config
+
+
+# In real processes ------------------------------------------------------------
+
+
+def _env(**extra):
+    env = checkout_env(CUDA_VISIBLE_DEVICES="", **extra)  # one CPU replica each
+    for name in list(env):  # gRPC would send localhost traffic to a proxy
+        if name.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy"):
+            del env[name]
+    return env
+
+
+def _launch(launcher_args, command, env, timeout=TIMEOUT_S):
+    """Runs the launcher in its own process group, killed with every
+    worker whatever happens; returns (exit code, output)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_agn.strategies.launch", *launcher_args, "--", *command],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        else:  # any worker the launcher left behind
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return process.returncode, output
+
+
+# Attempt 1: worker 1 dies by SIGKILL; attempt 2: it exits with 7; attempt 3
+# succeeds. Worker 1 fails only once every worker of its attempt has
+# started, so that the test checks the launcher, not a race.
+FAILS_TWICE = """
+import json, os, pathlib, signal, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+index, workers = config["task"]["index"], len(config["cluster"]["worker"])
+state = pathlib.Path(os.environ["STATE_DIR"])
+attempt = len(list(state.glob(f"start-{index}-*"))) + 1
+(state / f"start-{index}-{attempt}").touch()
+print(f"worker {index} attempt {attempt}", flush=True)
+if attempt == 3:
+    sys.exit(0)
+if index == 1:
+    deadline = time.monotonic() + 30
+    while not (state / f"start-0-{attempt}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(7)
+time.sleep(600)
+"""
+
+
+def test_launch_restarts_every_worker_on_fresh_ports_until_one_run_succeeds(tmp_path):
+    code, output = _launch(
+        ["--multi_worker", "2", "--max_restarts", "2"],
+        [sys.executable, "-c", FAILS_TWICE], _env(STATE_DIR=str(tmp_path)),
+    )
+    assert code == 0, output
+    assert "Worker 1 was killed by SIGKILL; restarting every worker (restart 1 of 2)." in output
+    assert "Worker 1 exited with code 7; restarting every worker (restart 2 of 2)." in output
+    clusters = re.findall(r"^Local multi-worker cluster: (.*)$", output, re.M)
+    assert len(clusters) == 3 and len(set(clusters)) == 3, output
+    assert "[worker 1] worker 1 attempt 3" in output and "worker 0 attempt 3" in output
+
+
+def test_launch_gives_up_after_max_restarts_with_the_last_failures_code(tmp_path):
+    code, output = _launch(
+        ["--multi_worker", "2", "--max_restarts", "1"],
+        [sys.executable, "-c", FAILS_TWICE], _env(STATE_DIR=str(tmp_path)),
+    )
+    assert code == 7, output
+    assert "restart 1 of 1" in output
+    assert output.rstrip().endswith("Worker 1 exited with code 7; stopped every worker."), output
+    assert "attempt 3" not in output
+
+
+def test_launch_refuses_bad_max_restarts(capsys):
+    for argv, error in (
+        (["--multi_worker", "2", "--max_restarts", "-1"], "--max_restarts must be >= 0"),
+        (["--max_restarts", "1"], "--max_restarts applies to --multi_worker clusters only"),
+    ):
+        with pytest.raises(SystemExit):
+            launch.parse_args([*argv, "--", "python"])
+        assert error in capsys.readouterr().err
+    options, _ = launch.parse_args(["--multi_worker", "2", "--", "python"])
+    assert options.max_restarts == 0
+
+
+# Each worker leaves a file in STATE_DIR once started, and then sleeps.
+STARTS_AND_SLEEPS = """
+import json, os, pathlib, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+(pathlib.Path(os.environ["STATE_DIR"]) / f"started-{index}").touch()
+time.sleep(600)
+"""
+
+
+def test_an_interrupted_launch_does_not_restart(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "2",
+         "--max_restarts", "3", "--", sys.executable, "-c", STARTS_AND_SLEEPS],
+        env=_env(STATE_DIR=str(tmp_path)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        # Files, not output lines: worker 0 writes its own output and the
+        # launcher relays worker 1's, so their lines may interleave.
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGINT
+        output = process.stdout.read()
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    assert output.count("Local multi-worker cluster") == 1, output
+    assert "restart" not in output, output
+
+
+def _writes(workdir, task):
+    """(event, file name) of every write `task` made in the backup
+    directory, in order, over all attempts."""
+    with open(workdir / f"writes-{task}.jsonl") as f:
+        return [tuple(json.loads(line)) for line in f]
+
+
+def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
+    code, output = _launch(
+        ["--multi_worker", "2", "--max_restarts", "1"],
+        [sys.executable, WORKER_SCRIPT, str(tmp_path), "--kill_worker", "1",
+         f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+        _env(),
+    )
+    assert code == 0, output
+    assert "Worker 1 was killed by SIGKILL; restarting every worker (restart 1 of 1)." in output
+    assert "[worker 1] worker-1 done" in output and "worker-0 done" in output, output
+
+    # The uninterrupted run: the same model and data on 2 replicas here
+    # (each worker's replica gets the same shard as replica i here).
+    reference = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:2]))
+    _fit(reference)
+    want = restart_model.training_state(reference)
+    got = []
+    for index in range(2):
+        with np.load(tmp_path / f"result-worker-{index}.npz") as npz:
+            got.append([npz[str(i)] for i in range(len(npz.files))])
+    _assert_states_equal(got, want, atol=1e-5)
+
+    # Backups every 2 steps, 4 steps per epoch: backups 0-4 by epoch 2
+    # step 2, where the second attempt resumed: it wrote 5-9, none again.
+    for task in ("worker-0", "worker-1"):
+        started = [name for event, name in _writes(tmp_path, task) if event == "open"]
+        if task == "worker-0":
+            started = [name for name in started if name != POINTER + ".tmp"]
+        assert started == [f"ckpt-{i}.{task}.npz.tmp" for i in range(10)], (task, started)
+    chief, other = _writes(tmp_path, "worker-0"), _writes(tmp_path, "worker-1")
+    assert ("os.rename", POINTER) in chief
+    # The other worker wrote, replaced and removed its own files only.
+    assert other and all(re.fullmatch(r"ckpt-\d+\.worker-1\.npz(\.tmp)?", name)
+                         for _, name in other), other
+    assert _pointer(tmp_path / "backup")["tasks"] == ["worker-0", "worker-1"]
