@@ -97,9 +97,9 @@ def parse_args(argv):
     parser.add_argument(
         "--multi_worker",
         type=int,
-        default=0,
-        help="run COMMAND as this many workers of a multi-worker cluster "
-        "instead (--workers and --ps do not apply)",
+        default=None,
+        help="run COMMAND as this many workers (>= 1) of a multi-worker "
+        "cluster instead (--workers and --ps do not apply)",
     )
     parser.add_argument(
         "--max_restarts",
@@ -112,8 +112,10 @@ def parse_args(argv):
         parser.error("give the command to run after '--'")
     split = argv.index("--")
     options = parser.parse_args(argv[:split])
-    if options.multi_worker < 0:
-        parser.error(f"--multi_worker must be >= 0; received {options.multi_worker}")
+    # 0 would fall back to a parameter-server cluster, opening ports the
+    # user did not ask for.
+    if options.multi_worker is not None and options.multi_worker < 1:
+        parser.error(f"--multi_worker must be >= 1; received {options.multi_worker}")
     if options.max_restarts < 0:
         parser.error(f"--max_restarts must be >= 0; received {options.max_restarts}")
     if options.max_restarts and not options.multi_worker:

@@ -126,6 +126,14 @@ def test_launch_needs_a_command(capsys):
     assert (options.workers, options.ps, command) == (2, 2, ["python", "--ps", "1"])
 
 
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_launch_refuses_fewer_than_one_multi_worker(capsys, count):
+    with pytest.raises(SystemExit) as exited:
+        launch.parse_args(["--multi_worker", count, "--", "python"])
+    assert exited.value.code == 2
+    assert f"--multi_worker must be >= 1; received {count}" in capsys.readouterr().err
+
+
 def test_server_module_serves_the_task_of_its_tf_config():
     ps, worker = (f"localhost:{port}" for port in free_ports(2))
     tf_config = {"cluster": {"worker": [worker], "ps": [ps]}, "task": {"type": "ps"}}
