@@ -5,6 +5,7 @@ from tf_agn.strategies.cluster import LocalCluster
 from tf_agn.strategies.commit_server import APPLIED
 from tf_agn.strategies.commit_server import DUPLICATE
 from tf_agn.strategies.commit_server import REJECTED_NON_FINITE
+from tf_agn.strategies.evaluation import evaluate
 from tf_agn.strategies.flags import define_flags
 from tf_agn.strategies.flags import strategy_from_flags
 from tf_agn.strategies.mirrored import even_batch_size
@@ -14,6 +15,5 @@ from tf_agn.strategies.multi_worker import KerasMultiWorkerMirroredStrategy
 from tf_agn.strategies.multi_worker import multi_worker_mirrored
 from tf_agn.strategies.parameter_server import parameter_server
 from tf_agn.strategies.simulate import simulate
-from tf_agn.strategies.training import Staleness
-from tf_agn.strategies.training import evaluate
+from tf_agn.strategies.staleness import Staleness
 from tf_agn.strategies.training import fit

@@ -3,9 +3,12 @@
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.strategies import training
 from tf_agn.strategies.commit_server import APPLIED
 from tf_agn.strategies.commit_server import CommitServer
+from tf_agn.strategies.evaluation import build_compiled_metrics
+from tf_agn.strategies.staleness import Staleness
+from tf_agn.strategies.training_checks import check_optimizer
+from tf_agn.strategies.training_checks import dataset_from
 from tf_agn.strategies.worker import Worker
 from tf_agn.strategies.worker import window_function
 
@@ -31,7 +34,7 @@ class Simulation:
         self.order = []
         self.losses = []
         self.outcomes = []
-        self.staleness = training.Staleness()
+        self.staleness = Staleness()
 
 
 def simulate(
@@ -87,13 +90,13 @@ def simulate(
             model not compiled with a windowed optimizer, or a dataset of
             single examples or too short for its worker's windows.
     """
-    optimizer = training.check_optimizer(model)
+    optimizer = check_optimizer(model)
     for name, value in (("num_workers", num_workers), ("num_windows", num_windows)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; received {value!r}.")
     commit_order = _commit_order(order, num_workers, num_windows, seed)
     datasets = [
-        training.dataset_from(
+        dataset_from(
             dataset_fn,
             tf.distribute.InputContext(
                 num_input_pipelines=num_workers,
@@ -104,7 +107,7 @@ def simulate(
         )
         for index in range(num_workers)
     ]
-    training.build_compiled_metrics(model, datasets[0])
+    build_compiled_metrics(model, datasets[0])
     strategy = tf.distribute.get_strategy()
     server = CommitServer(optimizer, model.trainable_variables, num_windows)
     workers = [Worker(model, optimizer, server, strategy) for _ in range(num_workers)]

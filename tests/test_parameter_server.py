@@ -81,7 +81,7 @@ class _Result:
 
 
 def test_a_result_lost_with_its_worker_is_fetched_from_a_rerun():
-    from tf_agn.strategies.training import _fetch
+    from tf_agn.strategies.recovery import fetch_window as _fetch
 
     lost = tf.errors.UnavailableError(None, None, "Connection refused")
     reruns = iter([_Result(lost), _Result((0.5, 0, 2))])

@@ -5,9 +5,9 @@ It is not a `keras.Model` driven by Keras' `fit`, on purpose: a tick is not
 a batch (every epoch fills and then drains the pipeline with ticks that
 feed nothing, so that validation and checkpoints see every batch applied),
 and the K stages keep K optimizers, one per device, where a `keras.Model`
-has one. Its `fit` runs the ticks inside the callback, progress-bar and
-`History` skeleton it shares with parameter-server training
-(`tf_agn.training_loop.run_epochs`).
+has one. Its `fit` runs the ticks, and `evaluate` its batches, in
+`tf_agn.decoupled.loops`; its arguments are checked in
+`tf_agn.decoupled.arguments`.
 """
 
 import keras
@@ -15,11 +15,12 @@ import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn.decoupled import loops
+from tf_agn.decoupled.arguments import check_accumulation
+from tf_agn.decoupled.arguments import resolve_devices
+from tf_agn.decoupled.arguments import stage_models
 from tf_agn.decoupled.pipeline import Pipeline
 from tf_agn.decoupled.schedule import Schedule
-from tf_agn.training_loop import run_epochs
-
-REDUCTIONS = ("mean", "sum")
 
 
 class DecoupledModel:
@@ -114,37 +115,11 @@ class DecoupledModel:
         schedule="adl",
         reduction="mean",
     ):
-        if not isinstance(stages, (list, tuple)):
-            hint = (
-                " Cut a model into stages with tf_agn.decoupled.split_model"
-                "(model, K) first."
-                if isinstance(stages, keras.Model)
-                else ""
-            )
-            raise ValueError(
-                f"stages must be a list of the K stages; received {stages!r}."
-                + hint
-            )
-        self.stages = [_as_model(stage, k) for k, stage in enumerate(stages)]
-        if not self.stages:
-            raise ValueError("stages must hold at least one stage; received [].")
+        self.stages = stage_models(stages)
         num_stages = len(self.stages)
-        if (
-            isinstance(accumulation_steps, bool)
-            or not isinstance(accumulation_steps, int)
-            or accumulation_steps < 1
-        ):
-            raise ValueError(
-                "accumulation_steps must be an int >= 1; received "
-                f"{accumulation_steps!r}."
-            )
-        if reduction not in REDUCTIONS:
-            raise ValueError(
-                f"Unknown reduction {reduction!r}. Allowed: "
-                f"{', '.join(REDUCTIONS)}."
-            )
+        check_accumulation(accumulation_steps, reduction)
         self.schedule = Schedule(schedule, num_stages)
-        self.devices = _resolve_devices(devices, num_stages)
+        self.devices = resolve_devices(devices, num_stages)
         self.accumulation_steps = accumulation_steps
         self.reduction = reduction
         self.optimizers = None
@@ -231,48 +206,10 @@ class DecoupledModel:
                 f"received {len(x)}."
             )
         pipeline = self._pipeline_for(x[:batch_size], y[:batch_size])
-        self.tick_trace = []
-        empty_x = tf.zeros_like(x[:batch_size])
-        empty_y = tf.zeros_like(y[:batch_size])
-
-        def run_epoch(epoch, callbacks):
-            self._reset_metrics()
-            order = np.random.permutation(len(x)) if shuffle else np.arange(len(x))
-            for tick in range(self.schedule.num_ticks(num_batches)):
-                # Batch `tick` enters at tick `tick`; then the pipeline
-                # drains, fed empty batches with id -1.
-                feeding = tick < num_batches
-                if feeding:
-                    callbacks.on_train_batch_begin(tick)
-                    batch = order[tick * batch_size : (tick + 1) * batch_size]
-                    x_batch, y_batch, batch_id = x[batch], y[batch], tick
-                else:
-                    x_batch, y_batch, batch_id = empty_x, empty_y, -1
-                ids = pipeline.tick(
-                    x_batch,
-                    y_batch,
-                    tf.constant(batch_id, tf.int32),
-                    tf.constant(tick, tf.int64),
-                )
-                self.tick_trace.append(np.stack([i.numpy() for i in ids]))
-                if feeding:
-                    callbacks.on_train_batch_end(tick, self._logs())
-            return self._logs()
-
-        def validate():
-            return self.evaluate(*validation_data, batch_size=batch_size, return_dict=True)
-
-        history = run_epochs(
-            self,
-            epochs,
-            num_batches,
-            run_epoch,
-            callbacks=callbacks,
-            verbose=verbose,
-            validate=None if validation_data is None else validate,
+        return loops.fit(
+            self, pipeline, x, y, num_batches, batch_size,
+            epochs, verbose, callbacks, validation_data, shuffle,
         )
-        self.tick_trace = np.stack(self.tick_trace)
-        return history
 
     def evaluate(self, x, y, batch_size=32, verbose=0, return_dict=False):
         """The loss and metrics on `(x, y)`, the stages run in sequence.
@@ -282,18 +219,9 @@ class DecoupledModel:
             or a dict of them with `return_dict`.
         """
         self._check_compiled()
-        self._reset_metrics()
-        predictions = self.predict(x, batch_size=batch_size, verbose=verbose)
-        for start in range(0, len(x), batch_size):
-            end = start + batch_size
-            y_batch = tf.convert_to_tensor(y[start:end])
-            y_pred = tf.convert_to_tensor(predictions[start:end])
-            self._loss_tracker.update_state(
-                self.loss(y_batch, y_pred), sample_weight=len(y_batch)
-            )
-            if self._compiled_metrics is not None:
-                self._compiled_metrics.update_state(y_batch, y_pred)
-        logs = self._logs()
+        logs = loops.evaluate(
+            self, x, y, batch_size, verbose, (self._loss_tracker, self._compiled_metrics)
+        )
         if return_dict:
             return logs
         return logs["loss"] if len(logs) == 1 else list(logs.values())
@@ -400,66 +328,3 @@ class DecoupledModel:
             tf.TensorSpec(y_batch.shape[1:], tf.as_dtype(y_batch.dtype)),
         )
         return self._pipeline
-
-    def _reset_metrics(self):
-        self._loss_tracker.reset_state()
-        if self._compiled_metrics is not None:
-            self._compiled_metrics.reset_state()
-
-    def _logs(self):
-        logs = {"loss": self._loss_tracker.result()}
-        if self._compiled_metrics is not None:
-            logs.update(self._compiled_metrics.result())
-        return {name: float(value) for name, value in logs.items()}
-
-
-def _as_model(stage, index):
-    if isinstance(stage, keras.Model):
-        return stage
-    if isinstance(stage, keras.layers.Layer):
-        return keras.Sequential([stage])
-    if isinstance(stage, (list, tuple)) and all(
-        isinstance(layer, keras.layers.Layer) for layer in stage
-    ):
-        return keras.Sequential(list(stage))
-    raise ValueError(
-        f"Stage {index} must be a Keras model, a layer or a list of layers; "
-        f"received {stage!r}."
-    )
-
-
-def _resolve_devices(devices, num_stages):
-    """One full logical device name per stage."""
-    available = tf.config.list_logical_devices()
-    if devices is None:
-        for device_type in ("GPU", "CPU"):
-            names = [d.name for d in available if d.device_type == device_type]
-            if len(names) >= num_stages:
-                return names[:num_stages]
-        raise ValueError(
-            f"{num_stages} stages need {num_stages} devices, one each; found "
-            f"{[d.name for d in available]}. Split the CPU first, before "
-            f"TensorFlow starts: tf_agn.strategies.split_cpu({num_stages}); "
-            "or pass devices."
-        )
-    devices = list(devices)
-    if len(devices) != num_stages:
-        raise ValueError(
-            f"devices must name one device per stage, {num_stages}; received "
-            f"{len(devices)}: {devices}."
-        )
-    by_spec = {
-        (d.device_type, tf.DeviceSpec.from_string(d.name).device_index): d.name
-        for d in available
-    }
-    resolved = []
-    for device in devices:
-        spec = tf.DeviceSpec.from_string(device)
-        key = (spec.device_type and spec.device_type.upper(), spec.device_index)
-        if key not in by_spec:
-            raise ValueError(
-                f"Unknown device {device!r}. Allowed: "
-                f"{[d.name for d in available]}."
-            )
-        resolved.append(by_spec[key])
-    return resolved
