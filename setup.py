@@ -17,6 +17,7 @@ setup(
     # in site-packages.
     packages=[
         "tf_agn",
+        "tf_agn.compression",
         "tf_agn.decoupled",
         "tf_agn.optimizers",
         "tf_agn.strategies",

@@ -111,8 +111,13 @@ def our_ops(strategy, **kwargs):
 
 def optimizer_sum(tensors):
     """Sums a replica's tensors across replicas as tf_agn's optimizers
-    combine gradients (the path compression applies to)."""
-    return replica_aggregation.aggregate(tensors, "sum")
+    combine gradients (the path compression applies to), with the
+    compression of the strategy's ops, as an optimizer without its own
+    takes it."""
+    strategy = tf.distribute.get_strategy()
+    return replica_aggregation.aggregate(
+        tensors, "sum", compressor=replica_aggregation.default_compression(strategy)
+    )
 
 
 def sync_fn(strategy):

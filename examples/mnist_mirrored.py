@@ -140,7 +140,7 @@ def main(argv):
     print(
         f"Training on {len(x_train)} {FLAGS.dataset} samples, "
         f"{strategy.num_replicas_in_sync} replicas, "
-        f"aggregation={FLAGS.aggregation}, "
+        f"aggregation={FLAGS.aggregation}, compression={FLAGS.compression}, "
         f"gradient_accumulation_steps={FLAGS.gradient_accumulation_steps}."
     )
 

@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from tf_agn import compression
+
 # What `CommitServer.apply` did with a commit.
 APPLIED, REJECTED_NON_FINITE, DUPLICATE = 0, 1, 2
 
@@ -24,6 +26,12 @@ class CommitServer:
        exactly once;
     4. otherwise θ_c ← the algorithm's `apply_to_center` with
        Δ · `commit_scale(s)` (AGN: θ_c + Δ).
+
+    With the optimizer's `compression`, a worker sends its Δ compressed
+    (`tf_agn.strategies.worker.Worker.commit`) and the server decompresses
+    it here, on each center's device, so that the compressed payload is
+    what crosses the network. `bytes_per_commit` is what one commit sends
+    and `bytes_received` counts them.
 
     Args:
         optimizer: the `tf_agn.optimizers.WindowedOptimizer` whose rules
@@ -56,8 +64,15 @@ class CommitServer:
                 trainable=False,
                 name="applied_windows",
             )
+            self.bytes_received = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="commit_bytes_received"
+            )
         self._lock = tf.CriticalSection(name="commit_lock")
         optimizer.outer_optimizer.build(self.centers)
+        self.compressor = optimizer.resolved_compression
+        self.bytes_per_commit = sum(
+            commit_bytes(self.compressor, center) for center in self.centers
+        )
 
     def pull(self):
         """Returns (copies of θ_c, the commit counter), for a worker."""
@@ -65,11 +80,13 @@ class CommitServer:
             self.commits
         )
 
-    def apply(self, deltas, commits_at_pull, window_id):
+    def apply(self, payloads, commits_at_pull, window_id):
         """Applies one commit atomically; see the class docstring.
 
         Args:
-            deltas: the commit Δ, one tensor per center variable.
+            payloads: the commit Δ as `Worker.commit` sends it: for each
+                center variable, a tuple of tensors (its Δ alone where
+                nothing compresses it).
             commits_at_pull: the commit counter the worker pulled with.
             window_id: the window's id, an int64 scalar.
 
@@ -77,6 +94,12 @@ class CommitServer:
             (staleness, outcome): int64 scalars; outcome is `APPLIED`,
             `REJECTED_NON_FINITE` or `DUPLICATE`.
         """
+
+        self.bytes_received.assign_add(self.bytes_per_commit)
+        deltas = [
+            decode(self.compressor, payload, center)
+            for payload, center in zip(payloads, self.centers)
+        ]
 
         def locked():
             staleness = self.commits - commits_at_pull
@@ -119,5 +142,38 @@ class CommitServer:
             "rejected_commits": self.rejected,
             "duplicate_commits": self.duplicates,
             "applied_windows": self.applied_windows,
+            "commit_bytes_received": self.bytes_received,
             "outer_optimizer": self.optimizer.outer_optimizer,
         }
+
+
+def compresses(compressor, value):
+    """Whether `compressor` (or None) compresses `value` (a tensor or a
+    variable) on its way."""
+    if compressor is None:
+        return False
+    dtype = tf.as_dtype(value.dtype)
+    if compression.is_stateful(compressor):
+        return compressor.acts_on(dtype)
+    return compressor.wire_dtype(dtype) != dtype
+
+
+def commit_bytes(compressor, center):
+    """The bytes a commit sends for `center`."""
+    shape, dtype = tf.TensorShape(center.shape), tf.as_dtype(center.dtype)
+    if compresses(compressor, center):
+        return compressor.wire_bytes(shape, dtype)
+    return shape.num_elements() * dtype.size
+
+
+def decode(compressor, payload, center):
+    """A commit's Δ for `center` from what the worker sent, decompressed
+    on the center's device."""
+    if not compresses(compressor, center):
+        return payload[0]
+    # A sharded center (a `variable_partitioner`) has no one device: the
+    # payload then goes where TensorFlow places the decompression.
+    with tf.device(getattr(center.value, "device", None)):
+        return compressor.decode(
+            payload, tf.TensorShape(center.shape), tf.as_dtype(center.dtype)
+        )

@@ -27,6 +27,7 @@ if __name__ == "__main__":
 from absl import flags
 import tensorflow as tf
 
+from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.strategies import tf_config
 from tf_agn.strategies.mirrored import mirrored
@@ -38,8 +39,12 @@ from tf_agn.strategies.multi_worker import multi_worker_mirrored
 flags.disclaim_key_flags()
 
 
+COMPRESSIONS = ["none", "fp16", "bf16", "int8", "powersgd"]
+
+
 def define_flags(flag_values=flags.FLAGS):
-    """Defines `--aggregation`, `--num_replicas` and `--cpu_replicas`.
+    """Defines `--aggregation`, `--compression`, `--powersgd_rank`,
+    `--num_replicas` and `--cpu_replicas`.
 
     Safe to call more than once, for example from an example and from a
     module it imports: a flag that is already defined stays as it is. Each
@@ -54,6 +59,23 @@ def define_flags(flag_values=flags.FLAGS):
         "mean",
         AggregationMethod.names(),
         "How replicas combine their gradients (see tf_agn.AggregationMethod).",
+        flag_values=flag_values,
+    )
+    _define(
+        flags.DEFINE_enum,
+        "compression",
+        "none",
+        COMPRESSIONS,
+        "How tf_agn's optimizers send gradients (see tf_agn.compression); "
+        "int8 and powersgd keep error feedback.",
+        flag_values=flag_values,
+    )
+    _define(
+        flags.DEFINE_integer,
+        "powersgd_rank",
+        4,
+        "The rank of --compression=powersgd.",
+        lower_bound=1,
         flag_values=flag_values,
     )
     _define(
@@ -95,7 +117,8 @@ def strategy_from_flags(flag_values=flags.FLAGS):
     It replicates on every GPU or, without one, on the CPU split into
     `--cpu_replicas` logical devices (one device if 0); `--num_replicas` > 0
     keeps the first that many. Gradients are combined by `--aggregation`
-    (see `tf_agn.strategies.mirrored`).
+    and travel as `--compression` says (the defaults of every tf_agn
+    optimizer under the strategy; see `tf_agn.strategies.mirrored`).
 
     Call it before anything else runs TensorFlow (building a model, creating
     a tensor): the CPU can only be split before TensorFlow starts.
@@ -113,9 +136,13 @@ def strategy_from_flags(flag_values=flags.FLAGS):
         RuntimeError: if the CPU must be split but TensorFlow already runs
             with a different number of CPU devices.
     """
+    settings = {
+        "aggregation": flag_values.aggregation,
+        "compression": compression_from_flags(flag_values),
+    }
     if _is_multi_worker_task(tf_config.load()):
         # Each worker replicates on its GPUs, or its one CPU.
-        return multi_worker_mirrored(aggregation=flag_values.aggregation)
+        return multi_worker_mirrored(**settings)
     if tf.config.list_physical_devices("GPU"):
         kind = "GPU"
     else:
@@ -131,7 +158,17 @@ def strategy_from_flags(flag_values=flags.FLAGS):
             f"{len(devices)} {kind} device(s) there are: "
             f"{', '.join(devices)}.{hint if kind == 'CPU' else ''}"
         )
-    return mirrored(devices[:num_replicas], aggregation=flag_values.aggregation)
+    return mirrored(devices[:num_replicas], **settings)
+
+
+def compression_from_flags(flag_values=flags.FLAGS):
+    """The compressor `--compression` and `--powersgd_rank` name, or None."""
+    name = flag_values.compression
+    if name == "none":
+        return None
+    if name == "powersgd":
+        return compression.PowerSGD(rank=flag_values.powersgd_rank)
+    return compression.get(name)
 
 
 def _is_multi_worker_task(config):

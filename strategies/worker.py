@@ -3,7 +3,9 @@
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import compression
 from tf_agn.optimizers.windowed import optimizer_state
+from tf_agn.strategies.commit_server import compresses
 from tf_agn.strategies.worker_state import per_worker_variables
 
 
@@ -45,6 +47,15 @@ class Worker:
                 for center in centers
             ]
             self.commits_at_pull = tf.Variable(0, dtype=tf.int64, trainable=False)
+            # Error feedback: what compression dropped from this worker's
+            # commits, sent with its next one.
+            self.commit_state = [
+                {
+                    name: tf.Variable(_initial_value(spec), trainable=False, name=name)
+                    for name, spec in _state_spec(server.compressor, center).items()
+                }
+                for center in centers
+            ]
             # A clone, so that every worker owns its optimizer state.
             self.inner_optimizer = optimizer.plain_inner_optimizer()
             # The strategy refuses to colocate slots with worker-local weights.
@@ -89,7 +100,9 @@ class Worker:
             self.optimizer.commit_delta(weight, pulled)
             for weight, pulled in zip(weights, self.pulled)
         ]
-        staleness, outcome = self.server.apply(deltas, self.commits_at_pull, window_id)
+        staleness, outcome = self.server.apply(
+            self._compressed(deltas), self.commits_at_pull, window_id
+        )
         with tf.control_dependencies([outcome]):
             for weight, value, delta, center in zip(
                 self.weights, weights, deltas, self.server.centers
@@ -99,6 +112,36 @@ class Worker:
             for slot in optimizer_state(self.inner_optimizer):
                 slot.assign(tf.zeros_like(slot))
         return staleness, outcome
+
+
+    def _compressed(self, deltas):
+        """The commit's payloads (see `CommitServer.apply`), compressed on
+        this worker, and its error-feedback state updated: kept as it was
+        where Δ is not finite, which the server rejects."""
+        compressor = self.server.compressor
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(d)) for d in deltas])
+        payloads = []
+        for delta, state in zip(deltas, self.commit_state):
+            if not compresses(compressor, delta):
+                payloads.append((delta,))
+                continue
+            payload, new_state = compressor.encode(delta, {k: tf.identity(v) for k, v in state.items()})
+            for name, variable in state.items():
+                variable.assign(tf.where(finite, new_state[name], variable))
+            payloads.append(payload)
+        return payloads
+
+
+def _state_spec(compressor, center):
+    if not compression.is_stateful(compressor) or not compressor.acts_on(center.dtype):
+        return {}
+    return compressor.state_spec(center.shape)
+
+
+def _initial_value(spec):
+    if spec.initializer == "zeros":
+        return tf.zeros(spec.shape)
+    return spec.initializer(spec.shape, tf.float32)
 
 
 def window_function(worker, local_steps, pull_first=True):

@@ -25,6 +25,8 @@ import tf_agn  # noqa: E402
 from contract import aggregate_results  # noqa: E402
 from contract import contract_results  # noqa: E402
 from contract import reference_methods  # noqa: E402
+from error_feedback_reference import one_step_errors  # noqa: E402
+import replica_values  # noqa: E402
 
 SHAPES = [(1024, 512)] * 24 + [(512,)] * 24  # about 12.6 M floats
 REPEATS = 20
@@ -40,16 +42,9 @@ def devices():
 
 
 def per_replica(strategy, names, arrays):
-    def make(index):
-        def fn(context):
-            r = context.replica_id_in_sync_group
-            with tf.device(names[r]):
-                return tf.identity(tf.constant(arrays[r][index]))
-
-        return fn
-
+    """One `PerReplica` value per position in each replica's `arrays`."""
     return [
-        strategy.experimental_distribute_values_from_function(make(i))
+        replica_values.per_replica(strategy, names, [a[i] for a in arrays])
         for i in range(len(arrays[0]))
     ]
 
@@ -65,7 +60,7 @@ def check(names, transport, compression):
     values = per_replica(strategy, names, arrays)
     rows = []
     for method in ("sum", "mean", "only_first_replica", "none"):
-        results = ops.aggregate(method, values)
+        results = ops.aggregate(method, values, compressor=ops.compressor)
         error, placed = 0.0, True
         for i, value in enumerate(results):
             column = [a[i].astype(np.float64) for a in arrays]
@@ -82,6 +77,15 @@ def check(names, transport, compression):
             "method": method, "max_rel_error": error, "placed": bool(placed),
         })
     return rows
+
+
+def error_feedback_check(names, transport):
+    """int8 and PowerSGD, compiled for the GPUs, against the numpy
+    references (tests/error_feedback_reference.py)."""
+    ops = tf_agn.AggregatingAllReduce(transport=transport)
+    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
+    errors = one_step_errors(ops, strategy, names)
+    return {"kind": "error_feedback", "transport": transport, **errors}
 
 
 def max_rel_error(got, want):
@@ -172,6 +176,7 @@ def main():
     for transport in transports:
         for compression in (None, "fp16"):
             rows += check(names, transport, compression)
+        rows.append(error_feedback_check(names, transport))
         rows += ordered_checks(names, transport)
     candidates = {"stock_default": None, "ours_auto": tf_agn.AggregatingAllReduce()}
     candidates["ours_local"] = tf_agn.AggregatingAllReduce(transport="local")

@@ -30,3 +30,15 @@ def large_values(replica):
     are integers below 2**24, exact in float32."""
     base = np.array([70001.0, 1001.0, 2049.0, 123457.0])
     return (base * (replica + 1) + replica).astype(np.float32)
+
+
+def stateful_compressors():
+    """The compressors the workers train with, by name, each new: int8 in
+    chunks small enough for the test MLP, PowerSGD on its 3x4 and 4x2
+    kernels."""
+    from tf_agn import compression
+
+    return {
+        "int8": compression.Int8(chunk_size=4),
+        "powersgd": compression.PowerSGD(rank=1, min_compression_rate=1),
+    }

@@ -82,6 +82,7 @@ from multi_worker_data import SHAPES  # noqa: E402
 from multi_worker_data import large_values  # noqa: E402
 from multi_worker_data import replica_arrays  # noqa: E402
 from multi_worker_data import replica_slices  # noqa: E402
+from multi_worker_data import stateful_compressors  # noqa: E402
 
 from contract import aggregate_results  # noqa: E402
 from contract import contract_results  # noqa: E402
@@ -223,6 +224,17 @@ def main(inputs_path, model_path, out_dir):
     # Keras's own optimizer all-reduces through the strategy's ops, in
     # replica context (`replica_context.all_reduce`).
     train(lambda: keras.optimizers.SGD(learning_rate), "keras_sgd")
+    # Error feedback across workers: all-to-all, all-gather, all-reduce.
+    for name in stateful_compressors():
+        model = train(
+            lambda: tf_agn.optimizers.SGD(learning_rate, compression=stateful_compressors()[name]),
+            f"compressed/{name}",
+        )
+        residuals = [v for v in model.optimizer.variables if v.path.endswith("_residual")]
+        for i, variable in enumerate(residuals):
+            # This replica's own copy: a read across replicas is their mean.
+            (local,) = strategy.experimental_local_results(variable.value)
+            result[f"compressed/{name}/residual/{i}"] = local.numpy()
 
     write_results(out_dir, task_index, result)
     log("wrote the results")
@@ -298,7 +310,9 @@ def aggregate_method_results(strategy):
                 for i in range(len(SHAPES))
             ]
             for method in tf_agn.AggregationMethod.names():
-                results = ops[compression].aggregate(method, values, value_scale=0.5)
+                results = ops[compression].aggregate(
+                    method, values, value_scale=0.5, compressor=ops[compression].compressor
+                )
                 for i, value in enumerate(results):
                     (local,) = strategy.experimental_local_results(value)
                     key = f"aggregate/{compression}/{dtype_name}/{method}/{i}"

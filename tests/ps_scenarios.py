@@ -56,14 +56,18 @@ def linear_model(optimizer):
     return model
 
 
-def agn():
-    return tf_agn.optimizers.AGN(keras.optimizers.Adam(0.01), local_steps=LOCAL_STEPS)
+def agn(compression=None):
+    return tf_agn.optimizers.AGN(
+        keras.optimizers.Adam(0.01), local_steps=LOCAL_STEPS, compression=compression
+    )
 
 
-def one_worker_against_simulator(num_ps="1"):
-    """With 2 ps, every variable is split in 2 shards (`variable_partitioner`)."""
+def one_worker_against_simulator(num_ps="1", compression="none"):
+    """With 2 ps, every variable is split in 2 shards (`variable_partitioner`).
+    With a compression, commits travel compressed to the ps."""
     num_ps = int(num_ps)
-    reference = linear_model(agn())
+    compression = None if compression == "none" else compression
+    reference = linear_model(agn(compression))
     simulation = tf_agn.strategies.simulate(
         reference,
         sequence_batches,
@@ -75,7 +79,7 @@ def one_worker_against_simulator(num_ps="1"):
     with LocalCluster(num_workers=1, num_ps=num_ps) as cluster:
         strategy = parameter_server(cluster, variable_partitioner=num_ps)
         with strategy.scope():
-            model = linear_model(agn())
+            model = linear_model(agn(compression))
         shards = [
             len(getattr(v.value, "variables", [v])) for v in model.trainable_variables
         ]
@@ -94,6 +98,8 @@ def one_worker_against_simulator(num_ps="1"):
             "simulated_loss": float(np.mean(simulation.losses)),
             "staleness": history.staleness.values().tolist(),
             "shards": shards,
+            "bytes_per_commit": history.server.bytes_per_commit,
+            "bytes_received": int(history.server.bytes_received.numpy()),
         }
 
 

@@ -62,18 +62,19 @@ def test_get_maps_names_and_passes_compressors_through():
     assert compression.get(None) is None
     assert compression.get("fp16") is compression.FP16
     assert compression.get("bf16") is compression.BF16
+    assert compression.get("FP16") is compression.FP16  # any case, as methods
     custom = Float16Scaled()
     assert compression.get(custom) is custom
     assert tf_agn.AggregatingAllReduce(compression="fp16").compressor is compression.FP16
 
 
-@pytest.mark.parametrize("bad", ["fp8", "FP16", "int8", 16, tf.float16])
+@pytest.mark.parametrize("bad", ["fp8", "int4", 16, tf.float16])
 def test_get_names_the_bad_value_and_the_allowed_ones(bad):
     with pytest.raises(ValueError, match="Unknown compression") as error:
         compression.get(bad)
     message = str(error.value)
     assert repr(bad) in message
-    for allowed in ("None", "'fp16'", "'bf16'", "Compressor"):
+    for allowed in ("None", "'fp16'", "'bf16'", "'int8'", "PowerSGD", "Compressor"):
         assert allowed in message
 
 
@@ -109,7 +110,7 @@ def test_a_subclass_compresses_aggregate(transport, flatten_packs):
     strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
     value = per_replica(strategy, large_values)
     ones = per_replica(strategy, lambda r: np.full([3], r + 1, np.int64))
-    (summed, counts) = ops.aggregate("sum", [value, ones])
+    (summed, counts) = ops.aggregate("sum", [value, ones], compressor=ops.compressor)
     want = exact(SUM)
     for tensor in summed.values:
         assert tensor.dtype == tf.float32

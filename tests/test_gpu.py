@@ -47,6 +47,16 @@ def test_every_method_matches_numpy_on_its_own_gpu(report):
         assert row["max_rel_error"] <= row.get("rtol", RTOL[row["compression"]]), row
 
 
+def test_int8_and_powersgd_match_numpy_on_gpus(report):
+    rows = [row for row in report["rows"] if row["kind"] == "error_feedback"]
+    assert rows
+    for row in rows:
+        # int8: within one quantization step of the sum (the owner's float32
+        # sum may add in another order); PowerSGD: float32 against float64.
+        assert row["int8"] <= 1.01, row
+        assert row["powersgd"] <= 1e-4, row
+
+
 def test_every_candidate_was_timed(report):
     times = {row["candidate"]: row["median_ms"] for row in report["rows"] if row["kind"] == "time"}
     assert {"stock_default", "ours_auto", "ours_local"} <= set(times), times

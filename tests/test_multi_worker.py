@@ -27,6 +27,7 @@ from contract import reference_methods
 from multi_worker_data import large_values
 from multi_worker_data import replica_arrays
 from multi_worker_data import replica_slices
+from multi_worker_data import stateful_compressors
 from reference import sgd_trajectory
 from mlp import LEARNING_RATE
 from mlp import METHODS
@@ -387,3 +388,35 @@ def test_steps_per_execution_3_matches_one_step_per_call(cluster):
             {"initial weights": initial_params()},
             f"steps_per_execution=3, worker {index}",
         )
+
+
+@pytest.mark.parametrize("name", ["int8", "powersgd"])
+def test_compressed_fit_across_workers_equals_one_process(cluster, name):
+    """Workers training with int8 or PowerSGD (TensorFlow's all-to-all,
+    all-gather and all-reduce across processes) end where one process with
+    as many replicas ends (the same arithmetic, copied within a process),
+    with the same residual on each worker as on its replica."""
+    num_workers, workers = cluster
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES[:num_workers], transport="local")
+    x, y = data(ROWS_STEPS)
+    with strategy.scope():
+        model = build_mlp(initial_params())
+        model.compile(
+            tf_agn.optimizers.SGD(LEARNING_RATE, compression=stateful_compressors()[name]),
+            "mse",
+        )
+    model.fit(x, y, batch_size=BATCH[num_workers], epochs=1, shuffle=False, verbose=0)
+    residuals = [v for v in model.optimizer.variables if v.path.endswith("_residual")]
+    assert residuals
+    plain = sgd_trajectory(initial_params(), x, y, "mean", num_workers, BATCH[num_workers], LEARNING_RATE)
+    for index, result in enumerate(workers):
+        weights = [result[f"compressed/{name}/{i}"] for i in range(len(initial_params()))]
+        for got, want in zip(weights, model.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # Compression changed the path: not the uncompressed one.
+        assert not _close(weights, plain[index])
+        for i, variable in enumerate(residuals):
+            copy = strategy.experimental_local_results(variable.value)[index].numpy()
+            np.testing.assert_allclose(
+                result[f"compressed/{name}/residual/{i}"], copy, rtol=1e-5, atol=1e-6
+            )

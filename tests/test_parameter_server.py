@@ -28,12 +28,23 @@ def run_scenario(name, *args, returncode=0, timeout=300):
     return None, result.stdout
 
 
-@pytest.mark.parametrize("num_ps", [1, 2])
-def test_one_worker_cluster_matches_the_simulator(num_ps):
+@pytest.mark.parametrize(
+    "num_ps, compression, bytes_per_commit",
+    [
+        (1, "none", (10 + 2) * 4),
+        (2, "none", (10 + 2) * 4),
+        # int8: a code per element and one float32 scale per variable.
+        (1, "int8", 10 + 4 + 2 + 4),
+    ],
+)
+def test_one_worker_cluster_matches_the_simulator(num_ps, compression, bytes_per_commit):
     # One worker commits in order, so the real runtime and the oracle agree
-    # to rounding, also with every variable split across 2 ps.
-    result, _ = run_scenario("one_worker_against_simulator", num_ps)
+    # to rounding, also with every variable split across 2 ps, and with
+    # commits that travel as int8 (decompressed on the ps).
+    result, _ = run_scenario("one_worker_against_simulator", num_ps, compression)
     assert result["shards"] == [num_ps, num_ps]
+    assert result["bytes_per_commit"] == bytes_per_commit
+    assert result["bytes_received"] == 4 * bytes_per_commit
     for actual, expected in zip(result["actual"], result["expected"]):
         assert np.abs(np.asarray(expected) - 0.1).max() > 1e-3  # it trained
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -318,7 +318,7 @@ def test_the_server_rejects_non_finite_commits_unless_told_not_to(reject_non_fin
     )
     delta = [np.full((FEATURES, 1), np.nan, np.float32), np.ones((1,), np.float32)]
     staleness, outcome = server.apply(
-        delta, tf.constant(0, tf.int64), tf.constant(0, tf.int64)
+        [(d,) for d in delta], tf.constant(0, tf.int64), tf.constant(0, tf.int64)
     )
     assert int(staleness) == 0
     kernel, bias = model.get_weights()
@@ -337,3 +337,74 @@ def test_the_server_rejects_non_finite_commits_unless_told_not_to(reject_non_fin
         else tf_agn.strategies.DUPLICATE
     )
     assert int(again) == expected
+
+
+# Compressed asynchronous commits.
+
+
+def wide_model(optimizer):
+    """A 32x8 kernel: large enough for int8 chunks and rank-1 PowerSGD."""
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(8, kernel_initializer="ones")]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def wide_dataset_fn(input_context):
+    rng = np.random.default_rng(7 + input_context.input_pipeline_id)
+    x = rng.normal(size=(8, BATCH, 32)).astype(np.float32)
+    y = rng.normal(size=(8, BATCH, 8)).astype(np.float32)
+    return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+@pytest.mark.parametrize(
+    "compressor, want_bytes",
+    [
+        # int8: 256 + 8 codes, one float32 scale per 16 (the bias: one).
+        (tf_agn.compression.Int8(chunk_size=16), 256 + 16 * 4 + 8 + 4),
+        # Rank 1: (32 + 8) floats for the kernel; the bias whole.
+        (tf_agn.compression.PowerSGD(rank=1), (32 + 8) * 4 + 8 * 4),
+    ],
+    ids=["int8", "powersgd"],
+)
+def test_compressed_commit_loses_nothing_it_does_not_keep(compressor, want_bytes):
+    """One worker, one window: the center that received the compressed
+    commit, plus what the worker kept (its residual), is the center of the
+    uncompressed run; the payload is what the compressor's bytes say."""
+
+    def run(compression):
+        model = wide_model(
+            tf_agn.optimizers.AGN(
+                keras.optimizers.SGD(LEARNING_RATE), local_steps=LOCAL_STEPS,
+                compression=compression,
+            )
+        )
+        return model, simulate(model, wide_dataset_fn, num_workers=1, num_windows=1)
+
+    plain_model, plain = run(None)
+    model, simulation = run(compressor)
+    (worker,) = simulation.workers
+    for center, want, state in zip(model.get_weights(), plain_model.get_weights(), worker.commit_state):
+        kept = state["residual"].numpy() if "residual" in state else 0
+        np.testing.assert_allclose(center + kept, want, atol=1e-6)
+    kernel, bias = model.get_weights()
+    assert np.abs(kernel - plain_model.get_weights()[0]).max() > 1e-6  # it was compressed
+    server = simulation.server
+    assert server.bytes_per_commit == want_bytes < plain.server.bytes_per_commit == (32 * 8 + 8) * 4
+    assert int(server.bytes_received.numpy()) == want_bytes
+
+
+def test_a_non_finite_commit_leaves_the_workers_residual_alone():
+    model = wide_model(
+        tf_agn.optimizers.AGN(
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=LOCAL_STEPS, compression="int8"
+        )
+    )
+
+    def poisoned(input_context):
+        return wide_dataset_fn(input_context).map(lambda x, y: (x * np.nan, y))
+
+    simulation = simulate(model, poisoned, num_workers=1, num_windows=1)
+    assert simulation.outcomes == [tf_agn.strategies.REJECTED_NON_FINITE]
+    np.testing.assert_array_equal(simulation.workers[0].commit_state[0]["residual"].numpy(), 0)

@@ -246,7 +246,13 @@ KERAS_ACCUMULATOR_NAME = "gradient_accumulator"
 
 def accumulator_of(optimizer, variable):
     """`optimizer`'s gradient accumulator for the trainable `variable`."""
-    return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+    return optimizer._accumulated_gradients[variable_index(optimizer, variable)]
+
+
+def variable_index(optimizer, variable):
+    """The position of the trainable `variable` among those `optimizer`
+    was built with."""
+    return optimizer._get_variable_index(variable)
 
 
 def micro_step(optimizer):

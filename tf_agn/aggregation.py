@@ -103,3 +103,33 @@ def method_scale(method, dtype, num_replicas, value_scale):
     if method is AggregationMethod.MEAN:
         return value_scale / num_replicas
     return value_scale
+
+
+def replica_weight(method, num_replicas, replica_id, value_scale):
+    """A replica's weight in a SUM over replicas that realizes `method`.
+
+    Args:
+        method: SUM, MEAN or ONLY_FIRST_REPLICA.
+        num_replicas: how many replicas take part.
+        replica_id: this replica's index, a Python int or a scalar tensor.
+        value_scale: a Python number every value is multiplied by.
+
+    Returns:
+        A Python number, or a float32 scalar tensor for ONLY_FIRST_REPLICA
+        (1 on replica 0, 0 elsewhere, times `value_scale`).
+    """
+    if method is AggregationMethod.ONLY_FIRST_REPLICA:
+        is_first = tf.equal(replica_id, 0)
+        return tf.cast(is_first, tf.float32) * value_scale
+    return method_scale(method, tf.float32, num_replicas, value_scale)
+
+
+def scale_value(value, scale):
+    """Multiplies a tensor or `tf.IndexedSlices` by a Python number."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            value.values * tf.cast(scale, value.dtype),
+            value.indices,
+            value.dense_shape,
+        )
+    return value * tf.cast(scale, value.dtype)

@@ -142,26 +142,29 @@ class CollectiveGroup:
 
     def all_reduce(self, replica, tensor, options):
         """Sums `tensor` over the group; call once per local replica."""
-        instance_key, ordering_token = self._launch(replica)
-        with tf.device(self.devices[replica]):
-            return tf.raw_ops.CollectiveReduceV2(
-                input=tensor,
-                group_size=self.size,
-                group_key=self.key,
-                instance_key=instance_key,
-                ordering_token=ordering_token,
-                merge_op="Add",
-                final_op="Id",
-                communication_hint=_hint(options),
-                timeout_seconds=options.timeout_seconds or 0,
-            )
+        return self._collective(
+            tf.raw_ops.CollectiveReduceV2, replica, tensor, options,
+            merge_op="Add", final_op="Id",
+        )
 
     def all_gather(self, replica, tensor, options):
         """Every replica's `tensor`, concatenated along the first axis in
         global replica order; every replica passes the same shape."""
+        return self._collective(tf.raw_ops.CollectiveGatherV2, replica, tensor, options)
+
+    def all_to_all(self, replica, tensor, options):
+        """Row j of `tensor` (whose first dimension is the group's size) to
+        global replica j; returns every replica's row for this one, in
+        global replica order. TensorFlow's CPU collectives carry float and
+        int32/int64 values only."""
+        return self._collective(tf.raw_ops.CollectiveAllToAllV2, replica, tensor, options)
+
+    def _collective(self, op, replica, tensor, options, **attributes):
+        """Replica `replica`'s part of the collective `op` on `tensor`, with
+        the next instance key and this replica's ordering token."""
         instance_key, ordering_token = self._launch(replica)
         with tf.device(self.devices[replica]):
-            return tf.raw_ops.CollectiveGatherV2(
+            return op(
                 input=tensor,
                 group_size=self.size,
                 group_key=self.key,
@@ -169,6 +172,7 @@ class CollectiveGroup:
                 ordering_token=ordering_token,
                 communication_hint=_hint(options),
                 timeout_seconds=options.timeout_seconds or 0,
+                **attributes,
             )
 
     def all_gather_rows(self, replica, tensors, options):

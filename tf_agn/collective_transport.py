@@ -77,6 +77,42 @@ def combine_replica(
     return results
 
 
+class CollectiveCommunicator:
+    """The collectives a stateful compressor uses
+    (`tf_agn.compression.ErrorFeedbackCompressor`), over `group`: each
+    takes one tensor per local replica and returns one per local replica.
+
+    Args:
+        group: the `tf_agn.collective.CollectiveGroup` of every replica.
+        options: `CommunicationOptions`, every field resolved.
+    """
+
+    def __init__(self, group, options):
+        self.group = group
+        self.options = options
+        self.devices = group.devices
+        self.size = group.size
+
+    def rank(self, replica):
+        """Local replica `replica`'s index among all replicas."""
+        return self.group.first_replica + replica
+
+    def all_reduce(self, tensors):
+        return self._each(self.group.all_reduce, tensors)
+
+    def all_to_all(self, tensors):
+        return self._each(self.group.all_to_all, tensors)
+
+    def all_gather(self, tensors):
+        return self._each(self.group.all_gather, tensors)
+
+    def _each(self, collective, tensors):
+        return [
+            collective(replica, tensor, self.options)
+            for replica, tensor in enumerate(tensors)
+        ]
+
+
 def gather_along(group, replica, tensor, axis, options):
     """Replica `replica`'s all-gather of `tensor` along `axis`: every
     replica's slices, which may differ in length along `axis`."""

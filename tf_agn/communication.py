@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.compression import is_stateful
 
 
 class CommunicationCounter:
@@ -12,10 +13,12 @@ class CommunicationCounter:
     An aggregation (SUM, MEAN or ONLY_FIRST_REPLICA) counts as one call, and
     its payload is the bytes of one replica's values: what each replica puts
     on the wire in a reduce, and what replica 0 broadcasts for
-    ONLY_FIRST_REPLICA. `compression` in tf_agn's cross-device ops shrinks
-    the payload to its compressor's wire dtype (float32/float64 values to 2
-    bytes per element for "fp16" and "bf16"). NONE
-    sends nothing and is not counted.
+    ONLY_FIRST_REPLICA. A compressor shrinks the payload to its
+    `wire_bytes`: 2 bytes per float32 for "fp16" and "bf16", about 1 for
+    "int8", (rows + cols) * rank floats per matrix for PowerSGD. NONE sends
+    nothing and is not counted. An int8 or ring all-reduce sends its
+    payload about twice (see `tf_agn.collective.traffic`); the payload is
+    what compression changes.
 
     The counts are variables of the counter, not of the optimizer: an
     optimizer's `variables`, and what it saves, stay exactly those of
@@ -36,18 +39,18 @@ class CommunicationCounter:
                 for name in ("all_reduce_calls", "bytes_sent")
             )
 
-    def record(self, values, method, ops=None, when=None):
+    def record(self, values, method, compressor=None, when=None):
         """Adds one aggregation of `values` (this replica's tensors).
 
         Args:
             values: this replica's tensors or `tf.IndexedSlices`.
             method: an `AggregationMethod` or its name.
-            ops: the `tf_agn.AggregatingAllReduce` that sends them, if any.
+            compressor: the `tf_agn.compression` compressor they travel in,
+                or None.
             when: None, or a scalar boolean tensor: count only where true.
         """
         if AggregationMethod.parse(method) is AggregationMethod.NONE:
             return
-        compressor = None if ops is None else ops.compressor
         # Dense gradients have static shapes: their payload is a Python
         # number, so counting adds no per-tensor ops to the training step.
         payload = sum(_payload_bytes(v, compressor) for v in values)
@@ -66,13 +69,13 @@ class CommunicationCounter:
 def _payload_bytes(value, compressor):
     if isinstance(value, tf.IndexedSlices):
         return _payload_bytes(value.values, None) + _payload_bytes(value.indices, None)
-    dtype = value.dtype
-    if compressor is not None:
-        dtype = compressor.wire_dtype(dtype)
+    if compressor is not None and value.shape.is_fully_defined():
+        if not is_stateful(compressor) or compressor.acts_on(value.dtype):
+            return compressor.wire_bytes(value.shape, value.dtype)
     num_elements = value.shape.num_elements()
     if num_elements is None:  # e.g. the rows of an IndexedSlices
         num_elements = tf.size(value, out_type=tf.int64)
-    return num_elements * dtype.size
+    return num_elements * value.dtype.size
 
 
 def communication_stats(optimizer):

@@ -11,6 +11,10 @@ from tf_agn import compression as compression_lib
 from tf_agn import packing
 from tf_agn import placement
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.aggregation import method_scale
+from tf_agn.aggregation import scale_value
+from tf_agn.compression import error_feedback
+from tf_agn.local_transport import LocalCommunicator
 from tf_agn.local_transport import LocalTransport
 
 CommunicationOptions = tf.distribute.experimental.CommunicationOptions
@@ -67,15 +71,18 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     float16 and bfloat16 values are summed in float32 by "local" and in
     their own dtype by "collective", as NCCL and `MultiWorkerMirroredStrategy`
-    do. With `compression` (a `tf_agn.compression.Compressor` or its name),
-    `aggregate` compresses the tensors the compressor acts on (float32 and
-    float64, for "fp16" and "bf16") on their own device, in the compiled
-    packing call, before they travel; "local" decompresses and sums them in
-    full precision after, "collective" sums them compressed. Keras's own
-    optimizers reach these ops through `replica_context.all_reduce`, not
-    `aggregate`: their gradients travel uncompressed, since compression
-    belongs to tf_agn's optimizers (wrap one in
-    `tf_agn.optimizers.DistributedOptimizer` to compress its gradients).
+    do. `aggregate(..., compressor=...)` compresses the values its
+    compressor acts on (`tf_agn.compression`): a cast (fp16, bf16) on
+    their own device in the compiled packing call, which "local"
+    decompresses and sums in full precision and "collective" sums
+    compressed; int8 and PowerSGD run their own collectives, on either
+    transport, with each replica's error-feedback state passed in and
+    returned. The ops' `compression` is the default compressor of the
+    tf_agn optimizers under the strategy, as `aggregation` is their
+    default method. Keras's own optimizers reach these ops through
+    `replica_context.all_reduce`, not `aggregate`: their gradients travel
+    uncompressed (wrap one in `tf_agn.optimizers.DistributedOptimizer` to
+    compress its gradients).
 
     `tf.distribute.experimental.CommunicationOptions` that TensorFlow's
     callers pass (`strategy.reduce(..., options=)`, a strategy's
@@ -107,8 +114,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             optimizers in a strategy that uses these ops.
         bytes_per_pack: the most bytes one pack may hold. The default,
             4 MiB, is explained at `packing.DEFAULT_BYTES_PER_PACK`.
-        compression: None, "fp16", "bf16" or a
-            `tf_agn.compression.Compressor`, for `aggregate` only.
+        compression: None, "fp16", "bf16", "int8" or a `tf_agn.compression`
+            compressor: the default of the tf_agn optimizers under the
+            strategy (only `aggregate` compresses).
         jit_compile: whether to compile the packing and reduction with XLA.
         reduce_to_device: the device that reduces for "local"; by default
             the first destination device.
@@ -287,7 +295,16 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
 
     # tf_agn's entry point.
 
-    def aggregate(self, method, per_replica_values, value_scale=1.0, options=None):
+    def aggregate(
+        self,
+        method,
+        per_replica_values,
+        value_scale=1.0,
+        options=None,
+        compressor=None,
+        states=None,
+        step=None,
+    ):
         """Combines per-replica values with any `AggregationMethod`.
 
         Call it in cross-replica context, for example inside `merge_call`.
@@ -301,19 +318,37 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 compiled reduction rather than in a separate pass.
             options: optional `CommunicationOptions`, merged over the
                 constructor's.
+            compressor: None (values travel exactly), or a
+                `tf_agn.compression.Compressor` or `ErrorFeedbackCompressor`
+                for the values it acts on. The ops' own `compressor` is
+                the default of the optimizers that call this, not of this
+                method.
+            states: for an `ErrorFeedbackCompressor`: one dict per value,
+                from each name of its `state_spec` to a `PerReplica` value
+                of every replica's state.
+            step: for an `ErrorFeedbackCompressor` with a `start_step`: the
+                optimizer's step, a scalar integer tensor (or a `Mirrored`
+                one).
 
         Returns:
             A list with one entry per value: `Mirrored` values for SUM, MEAN
-            and ONLY_FIRST_REPLICA, `PerReplica` values for NONE.
+            and ONLY_FIRST_REPLICA, `PerReplica` values for NONE. With an
+            `ErrorFeedbackCompressor`, `(combined, new_states)`, where
+            `new_states` is laid out like `states`, of `PerReplica` values.
         """
+        method = AggregationMethod.parse(method)
         values = [_compat.make_tensor_into_per_replica(v) for v in per_replica_values]
-        return self._aggregate(
-            AggregationMethod.parse(method),
-            values,
-            values,
-            value_scale,
-            options,
-            self.compressor,
+        if not compression_lib.is_stateful(compressor):
+            return self._aggregate(method, values, values, value_scale, options, compressor)
+        if method is AggregationMethod.NONE:
+            return self._aggregate(method, values, values, value_scale), states
+        # With one local replica, `merge_call` hands plain tensors over.
+        states = [
+            {name: _compat.make_tensor_into_per_replica(v) for name, v in state.items()}
+            for state in states
+        ]
+        return self._aggregate_with_state(
+            method, values, value_scale, options, compressor, states, step
         )
 
     def _aggregate(
@@ -323,16 +358,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             return [_scale_per_replica(v, value_scale) for v in values]
         sources = self._source_devices(values[0], destinations[0])
         options, transport = self._options(options, sources)
-        if transport == "collective" and len(set(sources)) < len(sources):
-            if self.num_workers > 1:
-                raise ValueError(
-                    f"Cannot tell which device each of {len(sources)} replicas' "
-                    f"values belongs to (they are on {sorted(set(sources))}): "
-                    "make them inside the strategy's scope or strategy.run."
-                )
-            # One process: the local transport gives the same numbers
-            # without needing each replica's device.
-            transport = "local"
         if transport == "collective":
             return self._collective(
                 method, values, destinations, value_scale, options, compressor
@@ -380,6 +405,108 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 values, destinations, zip(*per_replica)
             )
         ]
+
+    def _aggregate_with_state(
+        self, method, values, value_scale, options, compressor, states, step
+    ):
+        """`aggregate` with an `ErrorFeedbackCompressor`: the values it acts
+        on go through `compressor.combine`, on either transport; the others
+        travel exactly."""
+        sources = self._source_devices(values[0], values[0])
+        options, transport = self._options(options, sources)
+        stateful = [
+            i
+            for i, v in enumerate(values)
+            if not isinstance(v.values[0], tf.IndexedSlices)
+            and compressor.acts_on(v.values[0].dtype)
+        ]
+        exact = [i for i in range(len(values)) if i not in stateful]
+        combined = [None] * len(values)
+        new_states = list(states)
+        if exact:
+            exact_results = self._aggregate(
+                method, [values[i] for i in exact], [values[i] for i in exact],
+                value_scale, options,
+            )
+            for i, result in zip(exact, exact_results):
+                combined[i] = result
+        if not stateful:
+            return combined, new_states
+        if transport == "collective":
+            group = self._group(sources)
+            communicator = collective_transport.CollectiveCommunicator(group, options)
+            first_rank = group.first_replica
+        else:
+            communicator = LocalCommunicator(
+                sources, self.reduce_to_device or sources[0]
+            )
+            first_rank = 0
+        scale = method_scale(method, tf.float32, communicator.size, value_scale)
+        scales = [
+            0.0 if method is AggregationMethod.ONLY_FIRST_REPLICA and first_rank + r else scale
+            for r in range(len(sources))
+        ]
+        names = [sorted(states[i]) for i in stateful]
+        if step is not None:  # The same on every replica: replica 0's.
+            step = _compat.make_tensor_into_per_replica(step).values[0]
+
+        def launch(per_replica_inputs):
+            replica_values = [inputs[0] for inputs in per_replica_inputs]
+            replica_states = [
+                [dict(zip(n, s)) for n, s in zip(names, inputs[1])]
+                for inputs in per_replica_inputs
+            ]
+            step_value = per_replica_inputs[0][2]
+            results, new = error_feedback.combine_with_state(
+                compressor,
+                communicator,
+                replica_values,
+                replica_states,
+                scales,
+                options.bytes_per_pack,
+                self.jit_compile,
+                step_value,
+            )
+            return [
+                [r, [[s[name] for name in n] for n, s in zip(names, replica_new)]]
+                for r, replica_new in zip(results, new)
+            ]
+
+        per_replica_inputs = [
+            [
+                [values[i].values[r] for i in stateful],
+                [[states[i][name].values[r] for name in n] for i, n in zip(stateful, names)],
+                step,
+            ]
+            for r in range(len(sources))
+        ]
+        if transport == "collective":
+            per_replica = self._run_collectives(
+                (
+                    "stateful",
+                    compressor,
+                    tuple(scales),
+                    tuple(map(tuple, names)),
+                    step is None,
+                    _options_key(options),
+                ),
+                launch,
+                per_replica_inputs,
+                sources,
+            )
+        else:
+            per_replica = launch(per_replica_inputs)
+        for position, i in enumerate(stateful):
+            combined[i] = self._regroup(
+                [replica[0][position] for replica in per_replica], sources, sources
+            )
+            new_states[i] = {
+                name: _compat.regroup(
+                    tuple(replica[1][position][k] for replica in per_replica)
+                )
+                for k, name in enumerate(names[position])
+            }
+        return combined, new_states
 
     def _run_collectives(self, key, launch, per_replica_inputs, sources):
         """Runs `launch(per_replica_inputs)`, which issues every local
@@ -435,6 +562,16 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         transport = self.transport
         if transport == "auto":
             transport = collective.choose_transport(devices, self.num_workers)
+        if transport == "collective" and len(set(devices)) < len(devices):
+            if self.num_workers > 1:
+                raise ValueError(
+                    f"Cannot tell which device each of {len(devices)} replicas' "
+                    f"values belongs to (they are on {sorted(set(devices))}): "
+                    "make them inside the strategy's scope or strategy.run."
+                )
+            # One process: the local transport gives the same numbers
+            # without needing each replica's device.
+            transport = "local"
         return merged, transport
 
     def _devices(self, destinations, value=None):
@@ -515,14 +652,3 @@ def _scale_per_replica(value, scale):
         with tf.device(local.device):
             scaled.append(scale_value(local, scale))
     return _compat.regroup(tuple(scaled))
-
-
-def scale_value(value, scale):
-    """Multiplies a tensor or `tf.IndexedSlices` by a Python number."""
-    if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            value.values * tf.cast(scale, value.dtype),
-            value.indices,
-            value.dense_shape,
-        )
-    return value * tf.cast(scale, value.dtype)

@@ -20,6 +20,44 @@ from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import method_scale
 
 
+class LocalCommunicator:
+    """The collectives a stateful compressor uses
+    (`tf_agn.compression.ErrorFeedbackCompressor`), among the replicas of
+    one process: each takes one tensor per replica and returns one per
+    replica, on its device. Sums are taken on `reduce_device`.
+
+    Args:
+        devices: the replicas' devices.
+        reduce_device: where sums are taken.
+    """
+
+    def __init__(self, devices, reduce_device):
+        self.devices = tuple(devices)
+        self.size = len(self.devices)
+        self.reduce_device = reduce_device
+
+    def rank(self, replica):
+        return replica
+
+    def all_reduce(self, tensors):
+        with tf.device(self.reduce_device):
+            total = tf.add_n(tensors)
+        return [placement.on(device, total) for device in self.devices]
+
+    def all_to_all(self, tensors):
+        return [
+            self._on(device, lambda j=j: tf.stack([t[j] for t in tensors]))
+            for j, device in enumerate(self.devices)
+        ]
+
+    def all_gather(self, tensors):
+        return [self._on(device, lambda: tf.concat(tensors, 0)) for device in self.devices]
+
+    def _on(self, device, make):
+        with tf.device(device):
+            return make()
+
+
 class LocalTransport:
     """Combines per-replica values of one process on one device.
 

@@ -143,6 +143,7 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         optimizer._communication,
         value_scale=scale,
         when=is_last,
+        **optimizer.compression_arguments(variables),
     )
 
     def apply():

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
@@ -14,9 +15,12 @@ from tf_agn.optimizers.accumulation import accumulate_and_apply
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
+from tf_agn.optimizers.compression_state import add_compression_state
+from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate_gradients
 from tf_agn.replica_aggregation import default_aggregation
+from tf_agn.replica_aggregation import default_compression
 
 
 class Aggregating:
@@ -54,6 +58,14 @@ class Aggregating:
             default) takes the `aggregation` of the strategy's
             `tf_agn.AggregatingAllReduce` (see `tf_agn.strategies.mirrored`),
             or MEAN under any other strategy.
+        compression: None (the default) takes the `compression` of the
+            strategy's `tf_agn.AggregatingAllReduce`, if any. Otherwise
+            "fp16", "bf16", "int8", `tf_agn.compression.PowerSGD(rank=r)`,
+            or any `tf_agn.compression` compressor: how gradients travel
+            (see `tf_agn.compression`). Int8 and PowerSGD keep per-replica
+            state with error feedback, as optimizer variables after
+            Keras's own (see `tf_agn.optimizers.compression_state`).
+            With gradient accumulation the window is compressed, once.
         accumulation_reduction: with `gradient_accumulation_steps=k`, how a
             replica's k micro-step gradients are combined: "mean" (default,
             Keras' own: a step on a k times larger batch) or "sum" (k times
@@ -63,13 +75,22 @@ class Aggregating:
             every step).
 
     Raises:
-        ValueError: for an unknown aggregation method or accumulation
-            reduction, a bad `gradient_accumulation_steps`, or accumulation
-            together with `use_ema`.
+        ValueError: for an unknown aggregation method, compression or
+            accumulation reduction, a bad `gradient_accumulation_steps`, or
+            accumulation together with `use_ema`; when training, for a
+            compression under cross-device ops other than tf_agn's.
     """
 
+    # The constructor arguments this mixin adds to a Keras optimizer's.
+    SETTINGS = ("aggregation_method", "accumulation_reduction", "compression")
+
     def __init__(
-        self, *args, aggregation_method=None, accumulation_reduction="mean", **kwargs
+        self,
+        *args,
+        aggregation_method=None,
+        accumulation_reduction="mean",
+        compression=None,
+        **kwargs,
     ):
         if "gradient_accumulation_steps" in kwargs:
             kwargs["gradient_accumulation_steps"] = check_accumulation_steps(
@@ -82,6 +103,7 @@ class Aggregating:
         self.accumulation_reduction = check_accumulation_reduction(
             accumulation_reduction
         )
+        self.compression = compression_lib.get(compression)
         if self.gradient_accumulation_steps and self.use_ema:
             raise ValueError(
                 "tf_agn's optimizers do not combine gradient_accumulation_steps "
@@ -96,12 +118,33 @@ class Aggregating:
             return self.aggregation_method
         return default_aggregation(_compat.creation_strategy(self))
 
+    @property
+    def resolved_compression(self):
+        """The compressor in force: our own, or the strategy's default."""
+        if self.compression is not None:
+            return self.compression
+        return default_compression(_compat.creation_strategy(self))
+
     def build(self, variables):
         if self.built:
             return
         check_strategy(self)
         super().build(variables)
         self._communication = CommunicationCounter(self)
+        # With NONE nothing travels, so nothing is compressed or kept.
+        sends = self.resolved_aggregation is not AggregationMethod.NONE
+        self._compression_state = add_compression_state(
+            self, variables, self.resolved_compression if sends else None
+        )
+
+    def compression_arguments(self, variables):
+        """What `aggregate` takes to compress the gradients of `variables`:
+        the compressor, its state for them, and the step."""
+        return {
+            "compressor": self.resolved_compression,
+            "state": compression_state_of(self, variables, self._compression_state),
+            "step": self.iterations,
+        }
 
     def communication_stats(self):
         """What this optimizer's aggregations sent so far.
@@ -170,7 +213,10 @@ class Aggregating:
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         grads = aggregate_gradients(
-            grads, self.resolved_aggregation, self._communication
+            grads,
+            self.resolved_aggregation,
+            self._communication,
+            **self.compression_arguments(trainable_variables),
         )
         self._apply_combined(grads, trainable_variables, learning_rate)
 
@@ -183,6 +229,7 @@ class Aggregating:
         method = self.aggregation_method
         config["aggregation_method"] = None if method is None else method.value
         config["accumulation_reduction"] = self.accumulation_reduction
+        config["compression"] = compression_lib.serialize(self.compression)
         return config
 
 

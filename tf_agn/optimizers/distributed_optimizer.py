@@ -3,7 +3,9 @@ gradients are combined."""
 
 import keras
 
+from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
 
@@ -50,7 +52,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             step, as Keras' argument of that name: given here, it is set on
             the wrapped optimizer, which must not have another. Horovod
             calls it `backward_passes_per_step`.
-        accumulation_reduction: "mean" (default) or "sum"; see
+        accumulation_reduction: None (the wrapped optimizer's own if it is
+            one of tf_agn's, else "mean"), "mean" or "sum"; see
+            `tf_agn.optimizers.Aggregating`.
+        compression: None (the wrapped optimizer's own if it is one of
+            tf_agn's, else the strategy's), or how gradients travel:
+            "fp16", "bf16", "int8", `tf_agn.compression.PowerSGD(rank=r)`
+            or any `tf_agn.compression` compressor; see
             `tf_agn.optimizers.Aggregating`.
         name: the wrapper's name.
 
@@ -59,8 +67,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             `learning_rate` (the wrapped optimizer's is the one used).
         ValueError: if `optimizer` is already built, is a
             `LossScaleOptimizer`, `aggregation_method` or
-            `accumulation_reduction` is unknown, `aggregation_method`
-            differs from the wrapped optimizer's own, or
+            `accumulation_reduction` or `compression` is unknown, one of
+            these three differs from the wrapped optimizer's own, or
             `gradient_accumulation_steps` is bad or set twice.
     """
 
@@ -70,7 +78,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         aggregation_method=None,
         name=None,
         gradient_accumulation_steps=None,
-        accumulation_reduction="mean",
+        accumulation_reduction=None,
+        compression=None,
         **kwargs,
     ):
         if "learning_rate" in kwargs:
@@ -98,12 +107,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 f"Optimizer {optimizer.name!r} is already built. Wrap it "
                 "in DistributedOptimizer before training starts."
             )
-        aggregation_method = self._aggregation_with(optimizer, aggregation_method)
+        settings = {
+            "aggregation_method": (aggregation_method, _method_value),
+            "accumulation_reduction": (accumulation_reduction, check_accumulation_reduction),
+            "compression": (compression, _compression_value),
+        }
+        config = optimizer.get_config()
+        for setting, (value, canonical) in settings.items():
+            config[setting] = self._setting_with(optimizer, setting, value, canonical)
+        if config["accumulation_reduction"] is None:
+            config["accumulation_reduction"] = "mean"
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._wrapped_class = type(optimizer)
-        config = optimizer.get_config()
-        config["aggregation_method"] = aggregation_method and aggregation_method.value
-        config["accumulation_reduction"] = accumulation_reduction
         if gradient_accumulation_steps is not None:
             own = optimizer.gradient_accumulation_steps
             if own not in (None, gradient_accumulation_steps):
@@ -115,24 +130,34 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             config["gradient_accumulation_steps"] = gradient_accumulation_steps
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
 
-    def _aggregation_with(self, optimizer, aggregation_method):
-        """The method of the wrapper around `optimizer`: `aggregation_method`
-        or the optimizer's own, which must not differ.
+    def _setting_with(self, optimizer, setting, value, canonical):
+        """The wrapper's `setting` around `optimizer`, as its config holds
+        it: `value`, or the optimizer's own, which must not differ.
+
+        Args:
+            optimizer: the optimizer being wrapped.
+            setting: "aggregation_method", "accumulation_reduction" or
+                "compression".
+            value: what the wrapper was given, None for the optimizer's own
+                (None again where it has none: the strategy's default).
+            canonical: maps a given value to its config form; it raises for
+                an unknown one.
 
         Returns:
-            An `AggregationMethod`, or None for the strategy's default.
+            The config value; None for the strategy's default.
         """
-        if aggregation_method is not None:
-            aggregation_method = AggregationMethod.parse(aggregation_method)
-        own = optimizer.aggregation_method if isinstance(optimizer, Aggregating) else None
+        given = None if value is None else canonical(value)
+        if not isinstance(optimizer, Aggregating):
+            return given
+        own = optimizer.get_config()[setting]
         if own is None:
-            return aggregation_method
-        if aggregation_method in (None, own):
+            return given
+        if given is None or given == own:
             return own
         raise ValueError(
-            f"{type(self).__name__}'s aggregation_method must be None or that "
-            f"of the optimizer it wraps, {optimizer.name!r}: {own.value!r}; "
-            f"received {aggregation_method.value!r}. Set it in one place."
+            f"{type(self).__name__}'s {setting} must be None or that of the "
+            f"optimizer it wraps, {optimizer.name!r}: {own!r}; received "
+            f"{value!r}. Set it in one place."
         )
 
     @property
@@ -196,8 +221,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """
         inner_config = self.inner_optimizer.get_config()
         if not issubclass(self._wrapped_class, Aggregating):
-            del inner_config["aggregation_method"]
-            del inner_config["accumulation_reduction"]
+            for setting in Aggregating.SETTINGS:
+                del inner_config[setting]
         return self._wrapped_class.from_config(inner_config)
 
     def get_config(self):
@@ -210,6 +235,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "optimizer": keras.saving.serialize_keras_object(plain),
             "aggregation_method": None if method is None else method.value,
             "accumulation_reduction": self.inner_optimizer.accumulation_reduction,
+            "compression": compression_lib.serialize(self.inner_optimizer.compression),
         }
 
     @classmethod
@@ -219,3 +245,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _method_value(method):
+    return AggregationMethod.parse(method).value
+
+
+def _compression_value(compression):
+    return compression_lib.serialize(compression_lib.get(compression))

@@ -6,14 +6,17 @@ from keras import ops
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.distributed_optimizer import DistributedOptimizer
+from tf_agn.optimizers.compression_state import add_compression_state
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
+from tf_agn.replica_aggregation import default_compression
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
@@ -63,6 +66,15 @@ class WindowedOptimizer(DistributedOptimizer):
             rule is used, not its clipping or weight decay.
         reset_inner_state: whether the inner optimizer's state is cleared at
             every commit.
+        compression: how the commits travel: None (the strategy's
+            `compression`, if any), "fp16", "bf16", "int8",
+            `tf_agn.compression.PowerSGD(rank=r)` or any `tf_agn.compression`
+            compressor. Synchronously, int8 and PowerSGD keep each
+            replica's residual of its Δ_r (error feedback) as optimizer
+            variables, and their `start_step` counts commits; to a
+            parameter server, each worker keeps its own residual and the
+            server decompresses (`tf_agn.strategies.commit_server`). The
+            local steps send nothing.
         name: the optimizer's name.
 
     Raises:
@@ -86,6 +98,7 @@ class WindowedOptimizer(DistributedOptimizer):
         aggregation_method="mean",
         outer_optimizer=None,
         reset_inner_state=False,
+        compression=None,
         name=None,
         **kwargs,
     ):
@@ -120,6 +133,7 @@ class WindowedOptimizer(DistributedOptimizer):
         self.commit_aggregation = aggregation_method
         self.outer_optimizer = outer_optimizer
         self.reset_inner_state = bool(reset_inner_state)
+        self.commit_compression = compression_lib.get(compression)
         self._swap_function = None
 
     @property
@@ -128,6 +142,13 @@ class WindowedOptimizer(DistributedOptimizer):
         if self.commit_aggregation is not None:
             return self.commit_aggregation
         return default_aggregation(_compat.creation_strategy(self))
+
+    @property
+    def resolved_compression(self):
+        """The compressor the commits travel in: our own, or the strategy's."""
+        if self.commit_compression is not None:
+            return self.commit_compression
+        return default_compression(_compat.creation_strategy(self))
 
     def build(self, var_list):
         if self.built:
@@ -156,6 +177,7 @@ class WindowedOptimizer(DistributedOptimizer):
         ]
         self.outer_optimizer.build(self._centers)
         self._communication = CommunicationCounter(self)
+        self._commit_state = add_compression_state(self, var_list, self.resolved_compression)
 
     @property
     def variables(self):
@@ -255,7 +277,15 @@ class WindowedOptimizer(DistributedOptimizer):
             self.commit_delta(variable, center)
             for variable, center in zip(variables, self._centers)
         ]
-        combined = aggregate(deltas, self.aggregation, 1, self._communication)
+        combined = aggregate(
+            deltas,
+            self.aggregation,
+            1,
+            self._communication,
+            compressor=self.resolved_compression,
+            state=self._commit_state,
+            step=self.outer_optimizer.iterations,
+        )
         # The center update runs per replica, like the local steps: every
         # replica holds the same combined Δ, so the copies of θ_c stay equal.
         self.apply_to_center(combined, self._centers)
@@ -336,6 +366,7 @@ class WindowedOptimizer(DistributedOptimizer):
                     self.outer_optimizer
                 ),
                 "reset_inner_state": self.reset_inner_state,
+                "compression": compression_lib.serialize(self.commit_compression),
             }
         )
         return config

@@ -1,21 +1,13 @@
-"""Gradient compression: what values become on their way between replicas.
+"""Stateless compressors: casts that act on each element alone.
 
-`AggregatingAllReduce(compression=...)` compresses only what tf_agn's
-optimizers send through `AggregatingAllReduce.aggregate`: gradients, and
-the windowed optimizers' commits. TensorFlow's own entry points
-(`strategy.reduce`, `batch_reduce_to`, Keras's loss and metric logs,
-on-read variables, `replica_context.all_reduce`, and so Keras's own
-optimizers) stay exact whatever the setting: a metric total past 65504 or
-a count past 2048 would not survive float16.
-
-A compressor runs inside the packed, XLA-compiled path: on the sending
-replica's device each tensor of a pack is scaled, then compressed and
-concatenated in one compiled call, and the buffers travel. The
-collective transport sums them in `wire_dtype`, then one compiled call
-splits the sum and decompresses each tensor; the local transport
-decompresses each replica's buffer and sums in full precision, in one
-compiled call. So a compressor must commute with summation up to
-rounding: a cast, or a scaling every replica shares.
+A `Compressor` runs inside the packed, XLA-compiled path of
+`AggregatingAllReduce`: on the sending replica's device each tensor of a
+pack is scaled, then compressed and concatenated in one compiled call, and
+the buffers travel. The collective transport sums them in `wire_dtype`,
+then one compiled call splits the sum and decompresses each tensor; the
+local transport decompresses each replica's buffer and sums in full
+precision, in one compiled call. So a compressor must commute with
+summation up to rounding: a cast, or a scaling every replica shares.
 
 To write one, subclass `Compressor` and implement its three methods:
 
@@ -31,23 +23,13 @@ class Float16Scaled(tf_agn.compression.Compressor):
 
     def decompress(self, tensor, dtype):
         return tf.cast(tensor, dtype) * 2.0**8
-
-ops = tf_agn.AggregatingAllReduce(compression=Float16Scaled())
 ```
 
-Every worker must use a compressor of the same `name`. The compiled
-functions take the compressor as a Python value and trace once per
-compressor object, so keep the default identity-based `__eq__` and
-`__hash__`, and build one per strategy.
-
-Stateful compressors with error feedback (int8 with a residual, PowerSGD)
-are not here yet. Their state is per replica (each replica's residual of
-what compression lost), so it will live with the optimizer's state, in
-per-replica optimizer variables like the windowed optimizers' inner state
-(which `tf_agn.callbacks.BackupAndRestore` keeps for every replica); the
-optimizer will hand each replica's state to `compress` and take the new
-state back, and the compressor itself stays a stateless description like
-the casts below.
+The compiled functions take the compressor as a Python value and trace
+once per compressor object, so keep the default identity-based `__eq__`
+and `__hash__`, and build one per strategy or optimizer. Compressors that
+keep state between steps (error feedback) are
+`tf_agn.compression.ErrorFeedbackCompressor`s.
 """
 
 import tensorflow as tf
@@ -114,6 +96,46 @@ class Compressor:
         """
         raise NotImplementedError
 
+    def wire_bytes(self, shape, dtype):
+        """The bytes one replica sends for a value of `shape` and `dtype`.
+
+        Args:
+            shape: a fully defined `tf.TensorShape`.
+            dtype: the value's `tf.DType`.
+
+        Returns:
+            An int.
+        """
+        return shape.num_elements() * self.wire_dtype(dtype).size
+
+    def encode(self, value, state):
+        """Compresses one value for a trip to a single receiver (an
+        asynchronous commit to a parameter server).
+
+        Args:
+            value: a tensor this compressor acts on.
+            state: the value's state; casts have none ({}).
+
+        Returns:
+            `(payload, new_state)`: the tensors that travel, and {}.
+        """
+        del state
+        return (self.compress(value),), {}
+
+    def decode(self, payload, shape, dtype):
+        """The value `encode` made `payload` of, on the receiver.
+
+        Args:
+            payload: what `encode` returned.
+            shape: the value's static shape.
+            dtype: the value's dtype.
+
+        Returns:
+            A tensor of `shape` and `dtype`.
+        """
+        del shape
+        return self.decompress(payload[0], dtype)
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
 
@@ -144,42 +166,3 @@ class Cast(Compressor):
 # range with 8 significant bits.
 FP16 = Cast("fp16", tf.float16)
 BF16 = Cast("bf16", tf.bfloat16)
-
-# The compressions `get` accepts by name.
-BY_NAME = {compressor.name: compressor for compressor in (FP16, BF16)}
-
-
-def get(identifier):
-    """The compressor `identifier` names.
-
-    Args:
-        identifier: None (no compression), "fp16", "bf16" or a
-            `Compressor`.
-
-    Returns:
-        A `Compressor`, or None for no compression.
-
-    Raises:
-        ValueError: for anything else, naming it and the allowed values.
-    """
-    if identifier is None or isinstance(identifier, Compressor):
-        return identifier
-    if isinstance(identifier, str) and identifier in BY_NAME:
-        return BY_NAME[identifier]
-    allowed = ", ".join(repr(name) for name in BY_NAME)
-    raise ValueError(
-        f"Unknown compression {identifier!r}. Allowed: None, {allowed}, or a "
-        "tf_agn.compression.Compressor."
-    )
-
-
-def acting_on(compressor, dtype):
-    """`compressor` if it compresses `dtype` values, else None."""
-    if compressor is None or compressor.wire_dtype(dtype) == dtype:
-        return None
-    return compressor
-
-
-def name_of(compressor):
-    """`compressor`'s name, or None for no compression."""
-    return None if compressor is None else compressor.name

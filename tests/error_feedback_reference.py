@@ -1,0 +1,147 @@
+"""numpy references of int8 and PowerSGD with error feedback, and a check
+that runs `AggregatingAllReduce.aggregate` against them.
+
+The references follow the papers' algorithms step by step, in numpy,
+independently of the TensorFlow code: PowerSGD in float64 (Vogels et al.
+2019, Algorithms 1 and 2), int8 in float32 as the wire carries it.
+tests/test_error_feedback.py runs `check` on logical CPUs;
+tests/gpu_worker.py on GPUs.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import replica_values
+
+LEVELS = np.float32(127)
+
+
+def quantize_roundtrip(flat, chunk_size):
+    """What int8 with one scale per chunk makes of `flat` (float32, a
+    multiple of `chunk_size` long)."""
+    chunks = flat.reshape(-1, chunk_size)
+    scales = (np.abs(chunks).max(axis=1) / LEVELS).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(scales[:, None] > 0, chunks / scales[:, None], 0)
+    codes = np.clip(np.round(codes), -LEVELS, LEVELS)
+    return (codes * scales[:, None]).astype(np.float32).reshape(-1)
+
+
+def int8_reference(values, residuals, chunk_size):
+    """One int8 aggregation of one pack.
+
+    Args:
+        values: for each replica, its scaled values, flat float32.
+        residuals: for each replica, its residuals, flat float32.
+        chunk_size: the elements that share a scale.
+
+    Returns:
+        `(applied, new_residuals)`: the sum every replica receives, and
+        each replica's new residual.
+    """
+    n, length = len(values), values[0].size
+    unit = n * chunk_size
+    padded = -(-length // unit) * unit
+    part = padded // n
+    sent = [np.pad(v + e, (0, padded - length)).astype(np.float32) for v, e in zip(values, residuals)]
+    restored = [quantize_roundtrip(s, chunk_size) for s in sent]
+    total = np.zeros(padded, np.float32)
+    for r in restored:
+        total += r
+    applied = np.concatenate(
+        [quantize_roundtrip(total[j * part : (j + 1) * part], chunk_size) for j in range(n)]
+    )
+    new = []
+    for w in range(n):
+        error = sent[w] - restored[w]
+        own = slice(w * part, (w + 1) * part)
+        error[own] += total[own] - applied[own]
+        new.append(error[:length])
+    return applied[:length], new
+
+
+def orthogonalize(matrix):
+    """Gram-Schmidt on the columns of `matrix`, in float64."""
+    columns = []
+    for i in range(matrix.shape[1]):
+        column = matrix[:, i].astype(np.float64)
+        for earlier in columns:
+            column = column - (earlier @ column) * earlier
+        norm = np.linalg.norm(column)
+        columns.append(column / norm if norm > 0 else column)
+    return np.stack(columns, axis=1)
+
+
+def powersgd_reference(matrices, q):
+    """One rank-r PowerSGD aggregation of one matrix.
+
+    Args:
+        matrices: for each replica, its scaled value plus residual, as a
+            matrix.
+        q: the warm-started Q ([cols, r]), the same on every replica.
+
+    Returns:
+        `(applied, new_residuals, new_q)`.
+    """
+    matrices = [m.astype(np.float64) for m in matrices]
+    p = sum(m @ q for m in matrices)
+    basis = orthogonalize(p)
+    local_qs = [m.T @ basis for m in matrices]
+    new_q = sum(local_qs)
+    applied = basis @ new_q.T
+    residuals = [m - basis @ lq.T for m, lq in zip(matrices, local_qs)]
+    return applied, residuals, new_q
+
+
+def one_step_errors(ops, strategy, devices, seed=0):
+    """The largest differences between one `ops.aggregate` (MEAN, traced)
+    of random values with int8 and with PowerSGD, and the references; for
+    tests/gpu_worker.py, where a GPU runs the compiled compressors.
+
+    Returns:
+        `{"int8": float, "powersgd": float}`: for int8 in units of one
+        quantization step of the sum (at most 1 where the owner's sum
+        rounded differently), for PowerSGD absolute.
+    """
+    from tf_agn import compression
+
+    n = len(devices)
+    rng = np.random.default_rng(seed)
+    arrays = [rng.normal(size=(64, 48)).astype(np.float32) for _ in range(n)]
+
+    def per_replica(values):
+        return replica_values.per_replica(strategy, devices, values)
+
+    errors = {}
+    for name, compressor in (
+        ("int8", compression.Int8(chunk_size=64)),
+        ("powersgd", compression.PowerSGD(rank=2)),
+    ):
+        spec = compressor.state_spec(tf.TensorShape([64, 48]))
+        initial = {
+            key: s.initializer(s.shape, tf.float32).numpy()
+            if callable(s.initializer)
+            else np.zeros(s.shape, np.float32)
+            for key, s in spec.items()
+        }
+        state = {key: per_replica([value] * n) for key, value in initial.items()}
+
+        @tf.function
+        def aggregate(compressor=compressor, state=state):
+            (combined,), _ = ops.aggregate(
+                "mean", [per_replica(arrays)], compressor=compressor, states=[state]
+            )
+            return strategy.experimental_local_results(combined)
+
+        got = [t.numpy() for t in aggregate()]
+        scaled = [a / np.float32(n) for a in arrays]
+        if name == "int8":
+            want, _ = int8_reference(
+                [s.reshape(-1) for s in scaled], [np.zeros(64 * 48, np.float32)] * n, 64
+            )
+            step = np.abs(want).max() / 127
+            errors[name] = max(float(np.abs(g.reshape(-1) - want).max() / step) for g in got)
+        else:
+            want, _, _ = powersgd_reference(scaled, initial["powersgd_q"])
+            errors[name] = max(float(np.abs(g - want).max()) for g in got)
+    return errors

@@ -1,0 +1,280 @@
+"""`compression=` on tf_agn's optimizers: state as optimizer variables,
+saving, resuming, `fit` on both transports, accumulation, errors.
+
+The compressors' arithmetic is checked against numpy references in
+tests/test_error_feedback.py; across worker processes in
+tests/test_multi_worker.py.
+"""
+
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from conftest import DEVICES
+from tf_agn import compression
+
+TRANSPORTS = ["local", "collective"]
+BATCH = 64
+
+
+def data(rows=512, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 20)).astype("float32")
+    y = np.tanh(x @ rng.normal(size=(20, 3))).astype("float32")
+    return x, y
+
+
+def build(strategy, optimizer_fn):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((20,)),
+                keras.layers.Dense(64, activation="tanh"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(optimizer_fn(), "mse")
+    return model
+
+
+def fit(model, epochs, **kwargs):
+    x, y = data()
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False, **kwargs)
+
+
+def per_replica_state(model, kinds=("_residual", "_powersgd_q")):
+    """Every replica's copy of every compression state variable, in order."""
+    strategy = model.distribute_strategy
+    return [
+        [t.numpy() for t in strategy.experimental_local_results(v.value)]
+        for v in model.optimizer.variables
+        if v.path.endswith(kinds)
+    ]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "compressor, bytes_ratio",
+    [("int8", 0.26), (compression.PowerSGD(rank=2), 0.3)],
+    ids=["int8", "powersgd"],
+)
+def test_fit_trains_as_uncompressed_with_fewer_bytes(transport, compressor, bytes_ratio):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES, transport=transport)
+    plain = build(strategy, lambda: tf_agn.optimizers.SGD(0.1))
+    compressed = build(strategy, lambda: tf_agn.optimizers.SGD(0.1, compression=compressor))
+    plain_loss = fit(plain, 5).history["loss"]
+    loss = fit(compressed, 5).history["loss"]
+    assert loss[-1] < 0.5 * loss[0]
+    np.testing.assert_allclose(loss[-1], plain_loss[-1], rtol=0.02)
+    plain_stats = plain.optimizer.communication_stats()
+    stats = compressed.optimizer.communication_stats()
+    assert stats["all_reduce_calls"] == plain_stats["all_reduce_calls"] == 5 * 8
+    assert stats["bytes_sent"] < bytes_ratio * plain_stats["bytes_sent"]
+    # The replicas apply the same update: their weights stay equal.
+    for weight in compressed.weights:
+        copies = strategy.experimental_local_results(weight.value)
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+    # Each replica keeps its own residual.
+    (first, *_) = per_replica_state(compressed, "_residual")
+    assert not np.array_equal(first[0], first[1])
+
+
+def test_the_state_follows_keras_own_variables():
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    plain = build(strategy, lambda: keras.optimizers.Adam())
+    model = build(strategy, lambda: tf_agn.optimizers.Adam(compression=compression.PowerSGD(rank=1)))
+    fit(plain, 1)
+    fit(model, 1)
+    def names(optimizer):  # without the models' and layers' numbers
+        return [re.sub(r"_\d+", "", v.path.split("/", 1)[1]) for v in optimizer.variables]
+
+    keras_names = names(plain.optimizer)
+    assert names(model.optimizer)[: len(keras_names)] == keras_names
+    # Both kernels are compressed at rank 1 (64x3 gains 192/67 > 2x);
+    # biases travel whole.
+    assert names(model.optimizer)[len(keras_names) :] == [
+        "sequential_dense_kernel_powersgd_q",
+        "sequential_dense_kernel_residual",
+    ] * 2
+
+
+def test_strategy_compression_is_the_optimizers_default():
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES, compression="int8")
+    model = build(strategy, lambda: tf_agn.optimizers.SGD(0.1))
+    assert isinstance(model.optimizer.resolved_compression, compression.Int8)
+    fit(model, 1)
+    assert len(per_replica_state(model)) == 4  # a residual per variable
+    own = build(strategy, lambda: tf_agn.optimizers.SGD(0.1, compression="fp16"))
+    assert own.optimizer.resolved_compression is compression.FP16
+
+
+@pytest.mark.parametrize("compressor", ["int8", compression.PowerSGD(rank=2)], ids=["int8", "powersgd"])
+def test_accumulation_compresses_the_window_once(compressor):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build(
+        strategy,
+        lambda: tf_agn.optimizers.SGD(0.1, compression=compressor, gradient_accumulation_steps=2),
+    )
+    loss = fit(model, 4).history["loss"]
+    assert loss[-1] < 0.7 * loss[0]
+    assert model.optimizer.communication_stats()["all_reduce_calls"] == 4 * 8 // 2
+
+
+@pytest.mark.parametrize(
+    "compressor, atol",
+    # PowerSGD's result depends on the replicas' residuals only through
+    # their sum, which loading keeps; int8 rounds each replica's own.
+    [(compression.PowerSGD(rank=2), 1e-5), ("int8", 2e-3)],
+    ids=["powersgd", "int8"],
+)
+def test_keras_file_mid_training_then_training_on(tmp_path, compressor, atol):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    optimizer_fn = lambda: tf_agn.optimizers.Adam(1e-2, compression=compressor)  # noqa: E731
+    reference = build(strategy, optimizer_fn)
+    fit(reference, 4)
+    model = build(strategy, optimizer_fn)
+    fit(model, 2)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    saved_sums = [np.sum(copies, axis=0) for copies in per_replica_state(model)]
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    assert loaded.optimizer.compression.get_config() == model.optimizer.compression.get_config()
+    loaded_sums = [np.sum(copies, axis=0) for copies in per_replica_state(loaded)]
+    assert len(loaded_sums) == len(saved_sums) > 0
+    for got, want in zip(loaded_sums, saved_sums):
+        np.testing.assert_allclose(got, want, atol=1e-6)  # nothing lost
+    fit(loaded, 2)
+    for got, want in zip(loaded.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=atol)
+
+
+def test_backup_and_restore_keeps_every_replicas_state(tmp_path):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    optimizer_fn = lambda: tf_agn.optimizers.SGD(0.1, compression="int8")  # noqa: E731
+    reference = build(strategy, optimizer_fn)
+    fit(reference, 3)
+    backup_dir = str(tmp_path / "backup")
+    model = build(strategy, optimizer_fn)
+    fit(model, 2, callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)])
+    resumed = build(strategy, optimizer_fn)
+    fit(resumed, 3, callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir)])
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for got, want in zip(per_replica_state(resumed), per_replica_state(reference), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert not os.path.exists(backup_dir)
+
+
+def test_config_round_trip_and_distributed_optimizer():
+    powersgd = compression.PowerSGD(rank=3, start_step=5)
+    optimizer = tf_agn.optimizers.Adam(compression=powersgd)
+    config = optimizer.get_config()
+    again = tf_agn.optimizers.Adam.from_config(config)
+    assert again.compression.get_config() == powersgd.get_config()
+    assert tf_agn.optimizers.SGD(compression="int8").get_config()["compression"] == "int8"
+    assert tf_agn.optimizers.SGD().get_config()["compression"] is None
+
+    wrapper = tf_agn.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="int8")
+    assert isinstance(wrapper.inner_optimizer.compression, compression.Int8)
+    inner = tf_agn.optimizers.SGD(0.1, compression="int8")
+    kept = tf_agn.optimizers.DistributedOptimizer(inner)
+    assert isinstance(kept.inner_optimizer.compression, compression.Int8)
+    with pytest.raises(ValueError, match="compression must be None or that of the optimizer"):
+        tf_agn.optimizers.DistributedOptimizer(inner, compression="fp16")
+    rebuilt = tf_agn.optimizers.DistributedOptimizer.from_config(wrapper.get_config())
+    assert isinstance(rebuilt.inner_optimizer.compression, compression.Int8)
+
+
+def test_distributed_optimizer_trains_compressed():
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build(
+        strategy,
+        lambda: tf_agn.optimizers.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), compression=compression.PowerSGD(rank=2)
+        ),
+    )
+    loss = fit(model, 3).history["loss"]
+    assert loss[-1] < 0.7 * loss[0]
+    assert len(per_replica_state(model)) == 2
+
+
+def test_compression_under_other_cross_device_ops_is_refused_clearly():
+    strategy = tf.distribute.MirroredStrategy(
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    model = build(strategy, lambda: tf_agn.optimizers.SGD(0.1, compression="int8"))
+    with pytest.raises(ValueError, match="compression='int8' needs tf_agn's AggregatingAllReduce"):
+        fit(model, 1)
+
+
+def test_one_replica_sends_nothing_so_compresses_nothing():
+    plain = build(tf.distribute.get_strategy(), lambda: tf_agn.optimizers.SGD(0.1))
+    model = build(tf.distribute.get_strategy(), lambda: tf_agn.optimizers.SGD(0.1, compression="int8"))
+    fit(plain, 1)
+    fit(model, 1)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+# The windowed optimizers compress their synchronous commits.
+
+
+def commit_state(model):
+    """Every replica's copy of the commits' residuals, in order."""
+    return per_replica_state(model, "_residual")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_agn_commit_loses_nothing_it_does_not_keep(transport):
+    """After one window, the compressed run's center plus what the replicas
+    kept (the residuals, applied with the outer rate of 1) is the
+    uncompressed run's center: the local steps of the first window are the
+    same in both runs."""
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES, transport=transport)
+
+    def agn(compressor):
+        return lambda: tf_agn.optimizers.AGN(
+            keras.optimizers.SGD(0.1), local_steps=2, compression=compressor
+        )
+
+    plain = build(strategy, agn(None))
+    compressed = build(strategy, agn(compression.Int8(chunk_size=64)))
+    x, y = data(rows=2 * BATCH)
+    for model in (plain, compressed):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    residuals = commit_state(compressed)
+    assert len(residuals) == len(compressed.weights) == 4
+    assert not plain.optimizer.variables[-1].path.endswith("_residual")
+    for got, want, copies in zip(compressed.get_weights(), plain.get_weights(), residuals):
+        # MEAN: each replica's residual is in units of Δ_r / n.
+        np.testing.assert_allclose(got + np.sum(copies, axis=0), want, atol=1e-6)
+        assert np.abs(got - want).max() > 0  # the commit did travel compressed
+    stats, plain_stats = (m.optimizer.communication_stats() for m in (compressed, plain))
+    assert stats["all_reduce_calls"] == plain_stats["all_reduce_calls"] == 1
+    assert stats["bytes_sent"] < 0.3 * plain_stats["bytes_sent"]
+
+
+def test_agn_trains_with_compressed_commits_and_round_trips():
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build(
+        strategy,
+        lambda: tf_agn.optimizers.AGN(
+            keras.optimizers.SGD(0.1), local_steps=2, compression=compression.PowerSGD(rank=2)
+        ),
+    )
+    loss = fit(model, 4).history["loss"]
+    assert loss[-1] < 0.7 * loss[0]
+    config = model.optimizer.get_config()
+    again = tf_agn.optimizers.AGN.from_config(config)
+    assert again.commit_compression.get_config() == compression.PowerSGD(rank=2).get_config()
+    # Only the commits carry compression state; the local steps send nothing.
+    inner_paths = [v.path for v in model.optimizer.inner_optimizer.variables]
+    assert not any(p.endswith(("_residual", "_powersgd_q")) for p in inner_paths)

@@ -1,0 +1,339 @@
+"""int8 and PowerSGD with error feedback, against numpy references.
+
+`AggregatingAllReduce.aggregate` runs on 4 logical CPU replicas, eager and
+traced, on both transports (the collective one with TensorFlow's real
+all-to-all, all-gather and all-reduce), and its results are compared with
+tests/error_feedback_reference.py. The optimizer-level tests (state as
+optimizer variables, saving, `fit`) are in tests/test_compressed_training.py.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from conftest import DEVICES
+from conftest import NUM_REPLICAS
+import replica_values
+from error_feedback_reference import int8_reference
+from error_feedback_reference import one_step_errors
+from error_feedback_reference import powersgd_reference
+from error_feedback_reference import quantize_roundtrip
+from tf_agn import compression
+from tf_agn.compression import int8
+
+TRANSPORTS = ["local", "collective"]
+SHAPES = [(40, 30), (30,), (7, 5, 3)]
+
+
+def per_replica(strategy, arrays):
+    """A `PerReplica` value holding `arrays[r]` on replica r's device."""
+    return replica_values.per_replica(strategy, DEVICES, arrays)
+
+
+def values_and_states(strategy, compressor, seed=0, residual_scale=0.1):
+    """Random per-replica values and states (non-zero residuals), as numpy
+    arrays and as `PerReplica` values."""
+    rng = np.random.default_rng(seed)
+    arrays = [[rng.normal(size=s).astype(np.float32) for s in SHAPES] for _ in range(NUM_REPLICAS)]
+    state_arrays = []
+    for r in range(NUM_REPLICAS):
+        replica = []
+        for shape in SHAPES:
+            state = {}
+            for name, spec in compressor.state_spec(tf.TensorShape(shape)).items():
+                if name == "residual":
+                    state[name] = (rng.normal(size=shape) * residual_scale).astype(np.float32)
+                else:
+                    state[name] = spec.initializer(spec.shape, tf.float32).numpy()
+            replica.append(state)
+        state_arrays.append(replica)
+    values = [per_replica(strategy, [a[i] for a in arrays]) for i in range(len(SHAPES))]
+    states = [
+        {name: per_replica(strategy, [s[i][name] for s in state_arrays]) for name in state_arrays[0][i]}
+        for i in range(len(SHAPES))
+    ]
+    return arrays, state_arrays, values, states
+
+
+def run(strategy, ops, method, values, states, compressor, traced, value_scale=1.0, step=None):
+    """`ops.aggregate` with a stateful compressor, as numpy arrays: for each
+    value, one array per replica; for each state, one per replica."""
+    local = strategy.experimental_local_results
+
+    def aggregate():
+        combined, new_states = ops.aggregate(
+            method, values, value_scale, compressor=compressor, states=states, step=step
+        )
+        return (
+            [local(c) for c in combined],
+            [{name: local(v) for name, v in s.items()} for s in new_states],
+        )
+
+    combined, new_states = tf.function(aggregate)() if traced else aggregate()
+    return (
+        [[t.numpy() for t in c] for c in combined],
+        [{name: [t.numpy() for t in v] for name, v in s.items()} for s in new_states],
+    )
+
+
+def strategy_for(transport):
+    ops = tf_agn.AggregatingAllReduce(transport=transport, timeout_seconds=60)
+    return tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops), ops
+
+
+# int8.
+
+
+def test_int8_roundtrip_error_is_at_most_half_a_step_per_chunk():
+    rng = np.random.default_rng(0)
+    chunks = rng.normal(size=(64, 512)).astype(np.float32) * rng.uniform(0, 100, (64, 1)).astype(np.float32)
+    chunks[3] = 0  # an all-zero chunk stays zero
+    codes, scales = int8.quantize(tf.constant(chunks))
+    restored = int8.dequantize(codes, scales).numpy()
+    assert codes.dtype == tf.int8
+    step = np.abs(chunks).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(restored - chunks) <= step / 2 * (1 + 1e-6))
+    np.testing.assert_array_equal(restored[3], 0)
+    np.testing.assert_allclose(restored, quantize_roundtrip(chunks.reshape(-1), 512).reshape(64, 512), atol=1e-6)
+    # A chunk's largest magnitude travels exactly.
+    rows = np.arange(64)
+    peaks = np.abs(chunks).argmax(axis=1)
+    np.testing.assert_allclose(restored[rows, peaks], chunks[rows, peaks], rtol=1e-6)
+
+
+def test_a_non_finite_element_makes_its_chunk_non_finite():
+    chunks = np.ones((2, 8), np.float32)
+    chunks[0, 3] = np.inf
+    codes, scales = int8.quantize(tf.constant(chunks))
+    restored = int8.dequantize(codes, scales).numpy()
+    assert not np.isfinite(restored[0]).any()
+    np.testing.assert_array_equal(restored[1], 1)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("method", ["sum", "mean"])
+def test_int8_one_step_matches_the_reference(transport, traced, method):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.Int8(chunk_size=16)
+    arrays, state_arrays, values, states = values_and_states(strategy, compressor)
+    combined, new_states = run(strategy, ops, method, values, states, compressor, traced, value_scale=2.0)
+    scale = 2.0 / NUM_REPLICAS if method == "mean" else 2.0
+    flat = [np.concatenate([a.reshape(-1) for a in replica]) * np.float32(scale) for replica in arrays]
+    residuals = [np.concatenate([s[i]["residual"].reshape(-1) for i in range(len(SHAPES))]) for s in state_arrays]
+    want, want_residuals = int8_reference(flat, residuals, 16)
+    sizes = np.cumsum([0] + [int(np.prod(s)) for s in SHAPES])
+    for r in range(NUM_REPLICAS):
+        got = np.concatenate([combined[i][r].reshape(-1) for i in range(len(SHAPES))])
+        got_residual = np.concatenate([new_states[i]["residual"][r].reshape(-1) for i in range(len(SHAPES))])
+        # The owner's float32 sum may add the replicas in another order,
+        # which can move a rounding by one step in rare elements.
+        close = np.isclose(got, want, atol=1e-5)
+        assert close.mean() > 0.99, close.mean()
+        step = np.abs(want).max() / 127
+        np.testing.assert_allclose(got, want, atol=step * 1.01)
+        np.testing.assert_allclose(got + got_residual, want + want_residuals[r], atol=1e-5)
+        np.testing.assert_array_equal(got, np.concatenate([combined[i][0].reshape(-1) for i in range(len(SHAPES))]))
+    assert sizes[-1] == flat[0].size
+
+
+# PowerSGD.
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("traced", [False, True])
+def test_powersgd_one_step_matches_the_reference(transport, traced):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.PowerSGD(rank=2, min_compression_rate=1)
+    arrays, state_arrays, values, states = values_and_states(strategy, compressor)
+    combined, new_states = run(strategy, ops, "mean", values, states, compressor, traced)
+    scale = 1 / NUM_REPLICAS
+    for i, shape in enumerate(SHAPES):
+        if len(shape) < 2:  # a vector travels exactly
+            want = sum(a[i] for a in arrays) * scale
+            for r in range(NUM_REPLICAS):
+                np.testing.assert_allclose(combined[i][r], want, rtol=1e-6, atol=1e-6)
+            assert new_states[i] == {}
+            continue
+        rows = int(np.prod(shape[:-1]))
+        matrices = [
+            (a[i] * scale + s[i]["residual"]).reshape(rows, shape[-1])
+            for a, s in zip(arrays, state_arrays)
+        ]
+        q = state_arrays[0][i]["powersgd_q"]
+        want, want_residuals, want_q = powersgd_reference(matrices, q)
+        for r in range(NUM_REPLICAS):
+            np.testing.assert_allclose(combined[i][r].reshape(rows, -1), want, atol=2e-5)
+            np.testing.assert_allclose(
+                new_states[i]["residual"][r].reshape(rows, -1), want_residuals[r], atol=2e-5
+            )
+            np.testing.assert_allclose(new_states[i]["powersgd_q"][r], want_q, atol=2e-4)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_powersgd_is_exact_when_the_rank_reaches_the_gradients(transport):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.PowerSGD(rank=3)
+    rng = np.random.default_rng(1)
+    columns = rng.normal(size=(64, 3))  # every replica's gradient: rank 3, one column space
+    arrays = [(columns @ rng.normal(size=(3, 32))).astype(np.float32) for _ in range(NUM_REPLICAS)]
+    value = per_replica(strategy, arrays)
+    spec = compressor.state_spec(tf.TensorShape([64, 32]))
+    state = {
+        "residual": per_replica(strategy, [np.zeros((64, 32), np.float32)] * NUM_REPLICAS),
+        "powersgd_q": per_replica(
+            strategy, [spec["powersgd_q"].initializer((32, 3), tf.float32).numpy()] * NUM_REPLICAS
+        ),
+    }
+    (combined,), (new_state,) = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
+    for r in range(NUM_REPLICAS):
+        np.testing.assert_allclose(combined[r], sum(arrays), atol=1e-4)
+        np.testing.assert_allclose(new_state["residual"][r], 0, atol=1e-4)
+    # One rank short, it is not.
+    short = compression.PowerSGD(rank=2)
+    state["powersgd_q"] = per_replica(strategy, [np.ones((32, 2), np.float32)] * NUM_REPLICAS)
+    (combined,), _ = run(strategy, ops, "sum", [value], [state], short, traced=True)
+    assert np.abs(combined[0] - sum(arrays)).max() > 1e-2
+
+
+# Error feedback, over many steps.
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "compressor",
+    [compression.Int8(chunk_size=16), compression.PowerSGD(rank=1, min_compression_rate=1)],
+    ids=["int8", "powersgd"],
+)
+def test_applied_updates_plus_residuals_sum_to_the_true_gradients(transport, compressor):
+    strategy, ops = strategy_for(transport)
+    _, _, _, states = values_and_states(strategy, compressor, residual_scale=0)
+    applied = [np.zeros(s, np.float64) for s in SHAPES]
+    true = [np.zeros(s, np.float64) for s in SHAPES]
+    for step in range(6):
+        arrays, _, values, _ = values_and_states(strategy, compressor, seed=10 + step)
+        combined, states = ops.aggregate("sum", values, compressor=compressor, states=states)
+        for i in range(len(SHAPES)):
+            applied[i] += strategy.experimental_local_results(combined[i])[0].numpy()
+            true[i] += sum(a[i] for a in arrays)
+    for i in range(len(SHAPES)):
+        left = sum(t.numpy() for t in strategy.experimental_local_results(states[i]["residual"])) if "residual" in states[i] else 0
+        np.testing.assert_allclose(applied[i] + left, true[i], atol=1e-4)
+        if "residual" in states[i]:
+            assert np.abs(left).max() > 1e-3  # something was dropped, and kept
+
+
+def test_without_error_feedback_what_is_dropped_is_lost():
+    strategy, ops = strategy_for("local")
+    compressor = compression.PowerSGD(rank=1, error_feedback=False)
+    assert "residual" not in compressor.state_spec(tf.TensorShape([40, 30]))
+    _, _, values, states = values_and_states(strategy, compressor)
+    arrays, _, _, _ = values_and_states(strategy, compressor)
+    combined, _ = run(strategy, ops, "sum", values, states, compressor, traced=False)
+    assert np.abs(combined[0][0] - sum(a[0] for a in arrays)).max() > 1e-2
+
+
+# The state's guard, start_step, the other methods.
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_non_finite_value_leaves_the_state_alone(transport):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.Int8(chunk_size=16)
+    arrays, state_arrays, _, states = values_and_states(strategy, compressor)
+    arrays[2][0][0, 0] = np.nan
+    values = [per_replica(strategy, [a[i] for a in arrays]) for i in range(len(SHAPES))]
+    combined, new_states = run(strategy, ops, "sum", values, states, compressor, traced=True)
+    assert not np.isfinite(combined[0][0]).all()
+    for i in range(len(SHAPES)):
+        for r in range(NUM_REPLICAS):
+            np.testing.assert_array_equal(new_states[i]["residual"][r], state_arrays[r][i]["residual"])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_before_start_step_values_travel_exactly_and_the_state_waits(transport):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.PowerSGD(rank=1, min_compression_rate=1, start_step=3)
+    arrays, state_arrays, values, states = values_and_states(strategy, compressor)
+    for step, exact in ((2, True), (3, False)):
+        combined, new_states = run(
+            strategy, ops, "sum", values, states, compressor, traced=True, step=tf.constant(step, tf.int64)
+        )
+        error = np.abs(combined[0][1] - sum(a[0] for a in arrays)).max()
+        moved = np.abs(new_states[0]["residual"][0] - state_arrays[0][0]["residual"]).max()
+        if exact:
+            assert error < 1e-5 and moved == 0
+        else:
+            assert error > 1e-2 and moved > 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_only_first_replica_sends_replica_0s_value_and_none_sends_nothing(transport):
+    strategy, ops = strategy_for(transport)
+    compressor = compression.Int8(chunk_size=16)
+    arrays, state_arrays, _, _ = values_and_states(strategy, compressor)
+    _, _, values, states = values_and_states(strategy, compressor, residual_scale=0)
+    combined, new_states = run(strategy, ops, "only_first_replica", values, states, compressor, traced=True)
+    for i in range(len(SHAPES)):
+        step = np.abs(arrays[0][i]).max() / 127
+        for r in range(NUM_REPLICAS):
+            np.testing.assert_allclose(combined[i][r], arrays[0][i], atol=2 * step)
+    combined, new_states = run(strategy, ops, "none", values, states, compressor, traced=False)
+    for r in range(NUM_REPLICAS):
+        np.testing.assert_array_equal(combined[0][r], arrays[r][0])
+        np.testing.assert_array_equal(new_states[0]["residual"][r], 0)
+
+
+# Construction, names, bytes.
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: compression.Int8(chunk_size=6), "chunk_size must be a positive multiple of 4"),
+        (lambda: compression.Int8(chunk_size=0), "chunk_size"),
+        (lambda: compression.PowerSGD(rank=0), "rank must be an int >= 1; received 0"),
+        (lambda: compression.PowerSGD(rank=2.5), "received 2.5"),
+        (lambda: compression.PowerSGD(min_compression_rate=0.5), "min_compression_rate"),
+        (lambda: compression.PowerSGD(start_step=-1), "start_step must be an int >= 0; received -1"),
+    ],
+)
+def test_bad_arguments_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_wire_bytes():
+    int8_compressor = compression.Int8()
+    assert int8_compressor.wire_bytes(tf.TensorShape([4096, 4096]), tf.float32) == 4096 * 4096 * (1 + 4 / 512)
+    powersgd = compression.PowerSGD(rank=4)
+    assert powersgd.wire_bytes(tf.TensorShape([4096, 4096]), tf.float32) == 2 * 4096 * 4 * 4
+    # A Conv2D kernel is (3 * 3 * 64) x 128; a bias is sent whole.
+    assert powersgd.matrix_shape(tf.TensorShape([3, 3, 64, 128])) == (576, 128)
+    assert powersgd.wire_bytes(tf.TensorShape([128]), tf.float32) == 512
+    # Too small to gain 2x: sent whole.
+    assert powersgd.matrix_shape(tf.TensorShape([8, 8])) is None
+
+
+def test_compressors_round_trip_through_get_and_serialize():
+    for compressor in (
+        compression.Int8(),
+        compression.Int8(chunk_size=64, error_feedback=False),
+        compression.PowerSGD(rank=4, start_step=10, seed=3),
+    ):
+        again = compression.get(compression.serialize(compressor))
+        assert type(again) is type(compressor) and again is not compressor
+        assert again.get_config() == compressor.get_config()
+    assert compression.serialize(compression.Int8()) == "int8"
+    assert isinstance(compression.get("INT8"), compression.Int8)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_gpu_workers_check_passes_on_cpus(transport):
+    """tests/gpu_worker.py runs `one_step_errors` on GPUs; here, on the same
+    code paths, on logical CPUs, so that it cannot rot unseen."""
+    strategy, ops = strategy_for(transport)
+    errors = one_step_errors(ops, strategy, DEVICES)
+    assert errors["int8"] <= 1.01, errors
+    assert errors["powersgd"] <= 1e-4, errors

@@ -1,0 +1,262 @@
+"""Compressors with error feedback: what compression drops now travels later.
+
+A lossy compressor C that sends C(g) instead of g loses g - C(g) every
+step. Error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
+that loss on each replica, in a residual e, and adds it to the next value
+it sends:
+
+    m = g + e;   send C(m);   e = m - C(m)
+
+so nothing is lost, only delayed: after T steps, the applied updates plus
+the replicas' residuals sum exactly to the true gradients. This is what
+lets int8 (`tf_agn.compression.Int8`) and rank-r PowerSGD
+(`tf_agn.compression.PowerSGD`) train to the accuracy of uncompressed
+training.
+
+The residuals (and PowerSGD's warm-started Q) are per-replica state. They
+live with the optimizer's state, as optimizer variables: one replica-local
+variable per trainable variable and kind of state (`state_spec`), so
+`.keras` files and `tf_agn.callbacks.BackupAndRestore` save them. The
+optimizer hands each replica's state to `combine`, in the cross-replica
+call of `AggregatingAllReduce.aggregate`, and takes the new state back.
+
+A compressor is written once, for every transport: `combine` sees the
+values of all local replicas and a communicator with three collectives
+over all replicas of all workers, each taking one tensor per local
+replica and returning one per local replica:
+
+- `all_reduce(tensors)`: the sum;
+- `all_to_all(tensors)`: each tensor's first dimension has `size` rows;
+  row j goes to global replica j, which receives every replica's row in
+  replica order;
+- `all_gather(tensors)`: every replica's tensor, concatenated along the
+  first dimension in replica order.
+
+`communicator.size` is the number of replicas of all workers,
+`communicator.devices` the local replicas' devices, and
+`communicator.rank(r)` local replica r's global index. On the collective
+transport these are TensorFlow's collective ops (a ring on CPUs and
+across workers, NCCL on GPUs); on the local transport, copies within one
+process. Between them runs the compressor's arithmetic, in
+`tf.function(jit_compile=True)` calls on each replica's device.
+"""
+
+import collections
+import functools
+
+import tensorflow as tf
+
+from tf_agn import packing
+
+# The shape of one piece of per-replica state, and its initializer: a
+# Keras initializer name or a callable `(shape, dtype) -> tensor` that
+# gives the same value on every replica of every worker.
+StateSpec = collections.namedtuple("StateSpec", ["shape", "initializer"])
+
+
+class ErrorFeedbackCompressor:
+    """Base class of compressors that keep per-replica state.
+
+    Subclasses set `name` and implement `state_spec`, `combine` and
+    `wire_bytes`; `tf_agn.compression.Int8` is a complete example. Values
+    travel compressed only where `acts_on` their dtype (float32); the
+    others travel exactly.
+
+    Args:
+        error_feedback: whether to keep each replica's residual and add it
+            to the next value it sends. Without it, what compression drops
+            is lost: useful only to measure what error feedback buys.
+        start_step: the number of optimizer steps (`optimizer.iterations`,
+            micro-steps included) during which values travel uncompressed
+            and the state is left alone, as PyTorch's
+            `start_powerSGD_iter`: early gradients change fastest, and
+            compressing them costs the most accuracy.
+
+    Raises:
+        ValueError: for a `start_step` that is not an int >= 0.
+    """
+
+    name = None
+
+    def __init__(self, error_feedback=True, start_step=0):
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(
+                f"start_step must be an int >= 0; received {start_step!r}."
+            )
+        self.error_feedback = bool(error_feedback)
+        self.start_step = start_step
+
+    def acts_on(self, dtype):
+        """Whether values of `dtype` travel compressed."""
+        return dtype == tf.float32
+
+    def state_spec(self, shape):
+        """The per-replica state kept for a value of `shape`.
+
+        Args:
+            shape: a fully defined `tf.TensorShape`.
+
+        Returns:
+            A dict from a state's name (a suffix of its variable's name) to
+            its `StateSpec`; empty for values kept without state.
+        """
+        raise NotImplementedError
+
+    def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
+        """Sums every replica's values, compressed, and updates the state.
+
+        Args:
+            communicator: the collectives, as the module docstring says.
+            values: for each local replica, its list of float32 tensors.
+            states: for each local replica, a list with one dict per value,
+                holding the tensors `state_spec` asked for.
+            scales: for each local replica, a Python float its values are
+                multiplied by before they are compressed (0 for a replica
+                that contributes nothing).
+            bytes_per_pack: the most bytes one buffer should hold.
+            jit_compile: whether to compile the arithmetic with XLA.
+
+        Returns:
+            `(combined, new_states)`, laid out like `values` and `states`:
+            every replica's `combined` is the same sum.
+        """
+        raise NotImplementedError
+
+    def encode(self, value, state):
+        """Compresses one value for a trip to a single receiver (an
+        asynchronous commit to a parameter server), with error feedback.
+
+        Args:
+            value: a float32 tensor.
+            state: its state, as `state_spec` describes it.
+
+        Returns:
+            `(payload, new_state)`: a tuple of the tensors that travel, and
+            the sender's new state.
+        """
+        raise NotImplementedError
+
+    def decode(self, payload, shape, dtype):
+        """The value `encode` made `payload` of, on the receiver.
+
+        Args:
+            payload: what `encode` returned.
+            shape: the value's static shape.
+            dtype: the value's dtype.
+
+        Returns:
+            A tensor of `shape` and `dtype`.
+        """
+        raise NotImplementedError
+
+    def wire_bytes(self, shape, dtype):
+        """The bytes one replica sends for a value of `shape` and `dtype`
+        that this compressor acts on.
+
+        Args:
+            shape: a fully defined `tf.TensorShape`.
+            dtype: the value's `tf.DType`.
+
+        Returns:
+            An int.
+        """
+        raise NotImplementedError
+
+    def get_config(self):
+        """The constructor arguments, as a dict of Python values."""
+        return {"error_feedback": self.error_feedback, "start_step": self.start_step}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({arguments})"
+
+
+def combine_with_state(
+    compressor, communicator, values, states, scales, bytes_per_pack, jit_compile, step
+):
+    """`compressor.combine`, with its `start_step` and a guard on the state.
+
+    The new state is kept only where the combined values are all finite:
+    a non-finite gradient (an overflow under mixed precision, a window that
+    accumulation skips) must not turn every later step's residual into
+    NaN. The combined values are the same on every replica, so every
+    replica decides alike.
+
+    Args:
+        compressor: an `ErrorFeedbackCompressor`.
+        communicator, values, states, scales, bytes_per_pack, jit_compile:
+            as `ErrorFeedbackCompressor.combine` takes them.
+        step: a scalar integer tensor, the optimizer's step, the same on
+            every replica; read only if `compressor.start_step > 0`.
+
+    Returns:
+        `(combined, new_states)`, as `combine` returns them.
+    """
+
+    def compressed():
+        combined, new_states = compressor.combine(
+            communicator, values, states, scales, bytes_per_pack, jit_compile
+        )
+        guarded = []
+        for device, replica_combined, new, old in zip(
+            communicator.devices, combined, new_states, states
+        ):
+            with tf.device(device):
+                finite = tf.reduce_all(
+                    [tf.reduce_all(tf.math.is_finite(c)) for c in replica_combined]
+                )
+                guarded.append(
+                    [
+                        {name: tf.where(finite, new[i][name], old[i][name]) for name in old[i]}
+                        for i in range(len(old))
+                    ]
+                )
+        return combined, guarded
+
+    if compressor.start_step == 0:
+        return compressed()
+
+    def uncompressed():
+        return sum_uncompressed(communicator, values, scales, jit_compile), states
+
+    return tf.cond(step < compressor.start_step, uncompressed, compressed)
+
+
+def sum_uncompressed(communicator, values, scales, jit_compile):
+    """Every replica's `values`, scaled and summed exactly, in one
+    all-reduce of one flat buffer per replica.
+
+    Returns:
+        For each local replica, the list of summed tensors.
+    """
+    flats = []
+    for device, replica_values, scale in zip(communicator.devices, values, scales):
+        with tf.device(device):
+            flats.append(
+                packing.flatten(
+                    replica_values, scale, jit_compile=packing.use_xla(jit_compile, device)
+                )
+            )
+    summed = communicator.all_reduce(flats)
+    results = []
+    for device, flat, like in zip(communicator.devices, summed, values):
+        with tf.device(device):
+            results.append(packing.unflatten(flat, like))
+    return results
+
+
+def compiled(function, jit_compile, device):
+    """`function` as an XLA-compiled call on `device`, or as a graph
+    function where XLA cannot compile for it (or `jit_compile` is False).
+    One function per (function, compilation): it traces once per
+    distinct Python arguments (shapes, scales, layouts)."""
+    return _compiled(function, packing.use_xla(jit_compile, device))
+
+
+@functools.cache
+def _compiled(function, jit_compile):
+    return tf.function(function, jit_compile=jit_compile, autograph=False)
