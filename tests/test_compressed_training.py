@@ -278,3 +278,13 @@ def test_agn_trains_with_compressed_commits_and_round_trips():
     # Only the commits carry compression state; the local steps send nothing.
     inner_paths = [v.path for v in model.optimizer.inner_optimizer.variables]
     assert not any(p.endswith(("_residual", "_powersgd_q")) for p in inner_paths)
+
+
+def test_values_a_compressor_does_not_act_on_get_no_state():
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(3, dtype="float64")])
+        optimizer = tf_agn.optimizers.SGD(0.1, compression="int8")
+        optimizer.build(model.trainable_variables)
+    # int8 acts on float32 only: float64 gradients travel exactly.
+    assert [v for v in optimizer.variables if v.path.endswith("_residual")] == []

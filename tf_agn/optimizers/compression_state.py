@@ -24,6 +24,7 @@ and `tf_agn.callbacks.BackupAndRestore` save them:
 """
 
 import keras
+import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import compression
@@ -48,6 +49,9 @@ def add_compression_state(optimizer, variables, compressor):
     states = []
     for variable in variables:
         state = {}
+        if not compressor.acts_on(tf.as_dtype(variable.dtype)):
+            states.append(state)  # It travels uncompressed.
+            continue
         for name, spec in sorted(compressor.state_spec(variable.shape).items()):
             with keras.name_scope(optimizer.name, caller=optimizer):
                 state[name] = keras.Variable(
