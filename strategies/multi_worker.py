@@ -94,10 +94,12 @@ def multi_worker_mirrored(
 
     Collective group and instance keys are derived from the group of
     devices, not from how many tf_agn objects a process made, so workers
-    that build different numbers of ops or strategies still agree. Every
-    collective fails after `timeout_seconds` (default 600 s, see
-    `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS`) rather than waiting for
-    ever on a lost peer. TensorFlow catches SIGTERM while it connects (for
+    that build different numbers of ops or strategies still agree. A lost
+    peer fails the survivors' step through TensorFlow's health check;
+    `timeout_seconds` (default None, see
+    `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS` for its cost) also turns
+    collectives called in another order into an error. TensorFlow catches
+    SIGTERM while it connects (for
     its own preemption notices); the handler Python had before is put back
     afterwards, so that a supervisor's SIGTERM stops the worker.
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
+import tf_agn
 from scripts import run_python
 from tf_agn import AggregatingAllReduce
 from tf_agn import AggregationMethod
@@ -307,10 +308,38 @@ def test_collective_keys_come_from_the_group_not_from_how_many_ops_exist():
     assert collective.collective_group(DEVICES, len(DEVICES), 0) is before
 
 
-def test_collectives_time_out_by_default():
-    assert collective.DEFAULT_TIMEOUT_SECONDS == 600
-    assert AggregatingAllReduce().options.timeout_seconds == 600
-    assert AggregatingAllReduce(timeout_seconds=None).options.timeout_seconds is None
+def threads():
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+def test_collectives_wait_for_ever_by_default_and_hold_no_thread_per_call():
+    """TensorFlow sleeps a thread through each timed collective's timeout:
+    under a default of 600 s a job of days ran out of threads. Untimed
+    collectives keep the thread count flat."""
+    assert collective.DEFAULT_TIMEOUT_SECONDS is None
+    assert AggregatingAllReduce().options.timeout_seconds is None
+
+    def growth(timeout_seconds):
+        strategy = tf_agn.strategies.mirrored(
+            DEVICES, transport="collective", timeout_seconds=timeout_seconds
+        )
+
+        @tf.function
+        def step():
+            return strategy.run(
+                lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.ones([4]))
+            )
+
+        step()
+        before = threads()
+        for _ in range(25):
+            step()
+        return threads() - before
+
+    assert growth(None) < 10
+    # The cost a timeout has (its threads end 5 s later).
+    assert growth(5) >= 25
 
 
 def test_collective_timeout_turns_a_missing_peer_into_an_error():

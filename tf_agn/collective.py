@@ -27,12 +27,16 @@ from tf_agn import _compat
 TRANSPORTS = ("auto", "local", "collective")
 
 # How long a collective waits for its peers before it fails with
-# `DeadlineExceededError`, unless a caller says otherwise. Long enough for
-# any step, evaluation or checkpoint a peer may still be busy with; short
-# enough that a lost peer or a program that calls collectives in another
-# order on one worker fails within minutes rather than hanging a job that
-# was meant to run for days. PyTorch's NCCL default is the same 10 minutes.
-DEFAULT_TIMEOUT_SECONDS = 600
+# `DeadlineExceededError`, unless a caller says otherwise: for ever, as in
+# TensorFlow. TensorFlow implements a collective's timeout with a thread
+# that sleeps for the whole timeout, one per collective call (measured: 2
+# threads per all-reduce step of 2 replicas, alive for the timeout), so a
+# job making 50 collectives a second under a 600 s timeout holds 30,000
+# threads and reaches the kernel's limit. A lost peer needs no timeout:
+# TensorFlow's health check aborts the survivors' collectives about 11 s
+# after a worker dies. What a timeout adds is an error, rather than a hang,
+# for a program that calls collectives in another order on one worker.
+DEFAULT_TIMEOUT_SECONDS = None
 
 # Group keys lie far above the small ones TensorFlow's own strategies
 # count up from 1, and within int32.

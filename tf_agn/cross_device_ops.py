@@ -126,9 +126,12 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         transport: "auto", "local" or "collective".
         timeout_seconds: for "collective": how long a collective may wait
             for its peers before it fails with `DeadlineExceededError`;
-            default `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS` (600 s), so
-            that a lost peer or a worker that calls collectives in another
-            order fails instead of hanging; None or 0 waits for ever.
+            None or 0 (the default, `tf_agn.collective.
+            DEFAULT_TIMEOUT_SECONDS`) waits for ever. A lost peer fails
+            the step anyway (TensorFlow's health check); a timeout also
+            turns collectives called in another order into an error, but
+            TensorFlow holds a thread per collective for the whole timeout,
+            so keep it short (seconds to minutes) where steps are fast.
         implementation: for "collective": a
             `tf.distribute.experimental.CommunicationImplementation` or its
             name ("auto", "ring", "nccl"); AUTO is NCCL on GPUs, RING
