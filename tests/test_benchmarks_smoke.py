@@ -1,5 +1,5 @@
-"""Runs benchmarks/step_overhead.py on a tiny setting: it must run, print its
-table and a verdict per target. The timings themselves are not checked (the
+"""Runs benchmarks/step_overhead.py and benchmarks/compression.py on tiny
+settings: each must run, print its tables and a verdict per target. The timings themselves are not checked (the
 machine is shared); the benchmark's own PASS/FAIL lines are for people."""
 
 import os
@@ -11,6 +11,7 @@ from scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_OVERHEAD = os.path.join(ROOT, "benchmarks", "step_overhead.py")
+COMPRESSION = os.path.join(ROOT, "benchmarks", "compression.py")
 
 
 def run_benchmark(*args, timeout=300):
@@ -45,3 +46,28 @@ def test_step_overhead_rejects_partial_windows():
     )
     assert result.returncode != 0
     assert "not a multiple" in result.stdout + result.stderr
+
+
+def test_compression_runs_and_reports():
+    # 2 workers, a 784-16-10 MLP, 2 steps, 1 round: start-up and tracing
+    # are most of it.
+    result = run_python(
+        COMPRESSION,
+        "--hidden_units=16",
+        "--convergence_hidden_units=16",
+        "--warmup_steps=1",
+        "--steps=2",
+        "--repeats=1",
+        "--byte_calls=1",
+        "--convergence_steps=3",
+        timeout=240,
+    )
+    out = result.stdout
+    for name in ("stock", "ours", "fp16", "int8", "powersgd_r1", "powersgd_r4", "floor"):
+        assert re.search(rf"^  {name}\s+\d+\.\d\s+\d+\.\d\s", out, re.M), (name, out)
+    assert re.search(r"^  powersgd_r4\s+[\d,]+\s+\d+\.\d$", out, re.M), out  # ResNet-50 bytes
+    assert re.search(r"^  powersgd_r4_no_ef\s+\d+\.\d\s", out, re.M), out  # accuracy
+    for letter in "abcde":
+        assert re.search(rf"^  (PASS|FAIL): \({letter}\) ", out, re.M), (letter, out)
+    # The bytes do not depend on the machine's load.
+    assert re.search(r"^  PASS: \(c\) ", out, re.M), out

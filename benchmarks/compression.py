@@ -1,0 +1,573 @@
+r"""What gradient compression buys across worker processes: speed, bytes,
+accuracy.
+
+Started without `TF_CONFIG`, this script runs itself as every worker of a
+`--num_workers` cluster on localhost (as `multi_worker_allreduce.py` does)
+and worker 0 prints the results. Each worker builds one
+`tf_agn.strategies.KerasMultiWorkerMirroredStrategy` with one replica on
+its CPU; its cross-device ops are swapped per candidate, installed while
+the candidate's `fit` traces and runs.
+
+Compression shrinks what the gradient all-reduce sends, at the price of
+encoding work on every replica (a cast for fp16, quantization for int8,
+two small matrix products and a Gram-Schmidt per matrix for PowerSGD) and
+of error in the applied gradient, which error feedback carries into the
+next step instead of losing it. Three parts measure the three sides:
+
+1. **Speed** (`fit step`): one `model.fit` step of a communication-bound
+   MLP (784-`--hidden_units`-10, by default 784-4096-4096-1024-10, 24.2M
+   parameters) with Adam on `--batch_size` examples per worker, for:
+
+   - `stock`: stock `keras.optimizers.Adam` under the strategy's own
+     `CollectiveAllReduce` (what TensorFlow and Keras do alone);
+   - `ours`: `tf_agn.optimizers.Adam` over `tf_agn.AggregatingAllReduce`
+     (collective transport), no compression;
+   - `fp16`, `int8`, `powersgd_r1`, `powersgd_r4`: the same with
+     `compression="fp16"`, `tf_agn.compression.Int8()` and
+     `tf_agn.compression.PowerSGD(rank=1 or 4)`;
+   - `floor`: `tf_agn.optimizers.Adam(aggregation_method="none")`, which
+     communicates no gradient: the compute floor no compression can beat.
+
+   Each candidate is built from the same seed and warmed up (traced and
+   compiled) for `--warmup_steps` steps. Then candidates run in
+   `--repeats` interleaved rounds whose order rotates every round, the same
+   order on every worker (collectives must meet in one order); in a round
+   each runs one `fit` call of `--steps` steps, timed per step by a
+   callback from `on_train_batch_begin` until the step's loss is read, and
+   the round's sample is the call's median step. The table gives each
+   candidate's median and minimum over rounds, its time against `stock`
+   and `floor` (the median over rounds of the ratio within a round: above
+   1 is slower), the gradient bytes one replica sent per step (the
+   optimizer's `communication_stats()`; `stock` keeps none), and the bytes
+   the loopback interface carried per step, all workers together
+   (`/proc/net/dev` over `--byte_calls` further steps and one scalar
+   all-reduce that waits for them; every process of the network namespace
+   counts, so keep other localhost traffic off the machine).
+
+2. **Bytes on ResNet-50's gradients** (25.6M float32 values, the shapes
+   of `allreduce.py`'s `resnet50` set): each compressor's `wire_bytes`
+   summed over the tensors, against float32. Computed, not timed.
+
+3. **Convergence**: test accuracy on `mnist5k` (4,000 training and 1,000
+   test images) after `--convergence_steps` steps of Adam, the same seed,
+   initial weights and data order for every candidate: `ours`, `fp16`,
+   `int8`, `powersgd_r1`, `powersgd_r4` and `powersgd_r4_no_ef` (rank 4
+   without error feedback), for each model of `--convergence_models`
+   (`mlp`: 784-`--convergence_hidden_units`-10, by default 784-1024-1024-10,
+   1.9M parameters, because the speed part's MLP would take ~30 minutes
+   here; `cnn`: `tf_agn.models.cnn`). Every worker reads its own shard of
+   the training set, `--batch_size` per step.
+
+Targets (verdict lines, PASS or FAIL; a FAIL is a result too):
+
+a. `powersgd_r4`'s fit step takes at most `MAX_POWERSGD_TO_FLOOR` times
+   the floor's;
+b. every model: `powersgd_r4`'s accuracy is at most
+   `MAX_POWERSGD_ACCURACY_DROP` points below `ours`;
+c. on ResNet-50's gradients `powersgd_r4` sends at least
+   `MIN_POWERSGD_REDUCTION` times fewer bytes than float32;
+d. `int8`'s fit step takes at most `MAX_INT8_TO_FP16` times `fp16`'s;
+e. every model: `int8`'s accuracy is at most `MAX_INT8_ACCURACY_DROP`
+   points below `ours`.
+
+Usage (the first takes ~9 minutes on 2 busy CPU cores; the second, a
+smoke run, under a minute, most of it start-up and tracing):
+
+    python benchmarks/compression.py
+    python benchmarks/compression.py --hidden_units=16 \
+        --convergence_hidden_units=16 --steps=2 --warmup_steps=1 \
+        --repeats=1 --byte_calls=1 --convergence_steps=3
+"""
+
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import allreduce  # noqa: E402  (benchmarks/allreduce.py: shapes, rounds, verdicts)
+import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
+import tf_agn  # noqa: E402
+from tf_agn import _compat  # noqa: E402
+from tf_agn.strategies import launch  # noqa: E402
+
+# Targets.
+MAX_POWERSGD_TO_FLOOR = 1.2  # (a) powersgd_r4 / floor, fit step time.
+MAX_POWERSGD_ACCURACY_DROP = 1.0  # (b) points below ours.
+MIN_POWERSGD_REDUCTION = 20.0  # (c) float32 bytes / powersgd_r4 bytes.
+MAX_INT8_TO_FP16 = 1.0  # (d) int8 / fp16, fit step time.
+MAX_INT8_ACCURACY_DROP = 0.5  # (e) points below ours.
+
+STOCK = "stock"
+FLOOR = "floor"
+POWERSGD = "powersgd_r4"
+# Fresh compressors per optimizer: stateful ones cache compiled functions
+# per object, and each optimizer keeps its own residuals.
+COMPRESSIONS = {
+    "ours": lambda: None,
+    "fp16": lambda: "fp16",
+    "int8": tf_agn.compression.Int8,
+    "powersgd_r1": lambda: tf_agn.compression.PowerSGD(rank=1),
+    POWERSGD: lambda: tf_agn.compression.PowerSGD(rank=4),
+}
+CONVERGENCE_ONLY = {
+    "powersgd_r4_no_ef": lambda: tf_agn.compression.PowerSGD(rank=4, error_feedback=False),
+}
+# Part 2's compressors, named as in the other parts.
+WIRE_COMPRESSORS = {
+    "fp16": lambda: tf_agn.compression.get("fp16"),
+    "bf16": lambda: tf_agn.compression.get("bf16"),
+    "int8": tf_agn.compression.Int8,
+    "powersgd_r1": COMPRESSIONS["powersgd_r1"],
+    POWERSGD: COMPRESSIONS[POWERSGD],
+}
+MODELS = ("mlp", "cnn")
+PARTS = ("speed", "bytes", "convergence")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {', '.join(PARTS)}.")
+flags.DEFINE_list(
+    "hidden_units", ["4096", "4096", "1024"], "The MLP's hidden layer widths."
+)
+flags.DEFINE_integer("batch_size", 32, "Examples per worker (replica) per step.")
+flags.DEFINE_integer("steps", 5, "Timed steps per fit call (one per round).")
+flags.DEFINE_integer("warmup_steps", 3, "Untimed steps that trace each candidate.")
+flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.")
+flags.DEFINE_integer("seed", 0, "Seed of every model's weights and data order.")
+# Each worker process gained about a dozen threads named "collective_ops"
+# per step in the recorded runs (cause not isolated), and this machine
+# stops at 32,768 threads (pid_max): 300 steps per candidate aborted a run.
+flags.DEFINE_integer(
+    "convergence_steps", 100, "Training steps per candidate before testing."
+)
+flags.DEFINE_list(
+    "convergence_models", ["mlp"], f"Models to train, of {', '.join(MODELS)}."
+)
+flags.DEFINE_list(
+    "convergence_hidden_units",
+    ["1024", "1024"],
+    "The convergence part's MLP's hidden layer widths (the speed part's "
+    "MLP would take ~30 minutes here).",
+)
+# multi_worker_allreduce.py's flags: --num_workers, and --byte_calls (here
+# fit steps); allreduce.py's --repeats. Their other flags do not apply.
+FLAGS.set_default("repeats", 5)
+
+
+class StepTimer:
+    """A Keras callback's hooks that record each train step's seconds, from
+    its start until its loss is read."""
+
+    def __init__(self):
+        self.seconds = []
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Reading the loss waits for the step, whatever Keras deferred.
+        float(np.asarray(logs["loss"]))
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def as_callback(hooks):
+    """A `keras.callbacks.Callback` that calls `hooks`' train-batch methods.
+
+    Args:
+        hooks: an object with `on_train_batch_begin` and `on_train_batch_end`.
+
+    Returns:
+        A `keras.callbacks.LambdaCallback`.
+    """
+    import keras
+
+    return keras.callbacks.LambdaCallback(
+        on_train_batch_begin=hooks.on_train_batch_begin,
+        on_train_batch_end=hooks.on_train_batch_end,
+    )
+
+
+def build_model(strategy, model_name, optimizer, hidden_units):
+    """A freshly initialized model, the same for every candidate, compiled
+    under `strategy` with `optimizer`.
+
+    Args:
+        strategy: the worker's strategy.
+        model_name: "mlp" or "cnn".
+        optimizer: a function returning a Keras optimizer, called in the
+            strategy's scope.
+        hidden_units: the MLP's hidden layer widths, strings.
+
+    Returns:
+        A compiled `keras.Model` with a softmax output.
+    """
+    import keras
+
+    keras.utils.set_random_seed(FLAGS.seed)
+    with strategy.scope():
+        if model_name == "mlp":
+            hidden = tuple(int(units) for units in hidden_units)
+            model = tf_agn.models.mlp((784,), 10, hidden_units=hidden)
+        else:
+            model = tf_agn.models.cnn((28, 28, 1), 10)
+        model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def make_optimizer(name):
+    """A function that builds candidate `name`'s Adam.
+
+    Args:
+        name: `stock`, `floor`, or a key of `COMPRESSIONS` or
+            `CONVERGENCE_ONLY`.
+
+    Returns:
+        A function of no arguments returning a Keras optimizer.
+    """
+    import keras
+
+    if name == STOCK:
+        return lambda: keras.optimizers.Adam(FLAGS.learning_rate)
+    if name == FLOOR:
+        return lambda: tf_agn.optimizers.Adam(
+            FLAGS.learning_rate, aggregation_method="none"
+        )
+    compression = {**COMPRESSIONS, **CONVERGENCE_ONLY}[name]
+    return lambda: tf_agn.optimizers.Adam(
+        FLAGS.learning_rate, compression=compression()
+    )
+
+
+def fit(model, dataset, steps, callbacks=()):
+    """Runs `steps` training steps of `model` on `dataset`, one epoch."""
+    model.fit(
+        dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+        callbacks=list(callbacks),
+    )
+
+
+def random_batches(strategy):
+    """An endless distributed dataset repeating one random batch of
+    `--batch_size` MNIST-shaped examples per replica."""
+
+    def dataset_fn(context):
+        rng = np.random.default_rng(context.input_pipeline_id)
+        x = rng.random((FLAGS.batch_size, 784), dtype=np.float32)
+        y = rng.integers(0, 10, size=(FLAGS.batch_size,)).astype(np.int32)
+        return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def mnist_batches(strategy, x, y):
+    """An endless distributed dataset of `x, y`: each worker reads its own
+    shard, shuffled by `--seed` (the same order for every candidate), in
+    batches of `--batch_size`."""
+
+    def dataset_fn(context):
+        shard = tf.data.Dataset.from_tensor_slices((x, y)).shard(
+            context.num_input_pipelines, context.input_pipeline_id
+        )
+        shard = shard.shuffle(len(x), seed=FLAGS.seed).repeat()
+        return shard.batch(FLAGS.batch_size, drop_remainder=True)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def install(strategy, name, ops):
+    """Installs candidate `name`'s cross-device ops in `strategy`: the
+    strategy's own for `stock`, tf_agn's for the others.
+
+    Args:
+        strategy: the worker's strategy.
+        name: the candidate.
+        ops: a dict with the `"ours"` and `"stock"` cross-device ops.
+    """
+    chosen = ops["stock"] if name == STOCK else ops["ours"]
+    _compat.replace_cross_device_ops(strategy.extended, chosen)
+
+
+def loopback_per_step(model, dataset, sync):
+    """Loopback bytes per fit step, all workers together, over
+    `--byte_calls` steps of `model`.
+
+    Returns:
+        Bytes per step, a float.
+    """
+    start = multi_worker_allreduce.loopback_bytes_sent()
+    fit(model, dataset, FLAGS.byte_calls)
+    # When the scalar all-reduce returns, every worker has received the
+    # steps' bytes.
+    sync().numpy()
+    return (multi_worker_allreduce.loopback_bytes_sent() - start) / FLAGS.byte_calls
+
+
+def bytes_sent(model):
+    """The gradient bytes `model`'s optimizer has sent, or None for a Keras
+    optimizer (which keeps no count)."""
+    stats = getattr(model.optimizer, "communication_stats", None)
+    return None if stats is None else stats()["bytes_sent"]
+
+
+def run_speed(strategy, ops, verdicts, say):
+    """Part 1: times a fit step per candidate in rotating rounds; prints
+    the table (chief) and adds verdicts (a) and (d).
+
+    Args:
+        strategy: the worker's strategy.
+        ops: a dict with the `"ours"` and `"stock"` cross-device ops.
+        verdicts: the `Verdicts` to add to.
+        say: `print` on the chief, a no-op elsewhere.
+    """
+    names = [STOCK, *COMPRESSIONS, FLOOR]
+    dataset = random_batches(strategy)
+    models = {}
+    for name in names:
+        start = time.perf_counter()
+        install(strategy, name, ops)
+        models[name] = build_model(
+            strategy, "mlp", make_optimizer(name), FLAGS.hidden_units
+        )
+        fit(models[name], dataset, FLAGS.warmup_steps)
+        say(f"  {name}: built, traced and warmed up in {time.perf_counter() - start:.1f} s")
+    num_params = models[STOCK].count_params()
+    samples = {name: [] for name in names}
+
+    def timed(name):
+        def run():
+            install(strategy, name, ops)
+            timer = StepTimer()
+            fit(models[name], dataset, FLAGS.steps, [as_callback(timer)])
+            samples[name].append(np.median(timer.seconds))
+
+        return run
+
+    sent_before = {name: bytes_sent(model) for name, model in models.items()}
+    # time_rounds rotates the order; its own wall times include each fit
+    # call's set-up, so the steps' medians in `samples` are what counts.
+    allreduce.time_rounds({name: timed(name) for name in names}, FLAGS.repeats)
+    steps_run = FLAGS.repeats * FLAGS.steps
+    per_step = {
+        name: None if before is None else (bytes_sent(models[name]) - before) / steps_run
+        for name, before in sent_before.items()
+    }
+    sync = multi_worker_allreduce.sync_fn(strategy)
+    wire = {}
+    for name in names:
+        install(strategy, name, ops)
+        wire[name] = loopback_per_step(models[name], dataset, sync)
+    models.clear()  # frees every candidate before the next part
+    gc.collect()
+    seconds = {name: np.array(s) for name, s in samples.items()}
+    say(
+        f"\n-- fit step (MLP {mlp_layers(FLAGS.hidden_units)}, {num_params / 1e6:.1f}M parameters, "
+        f"Adam, {FLAGS.batch_size} per replica, {FLAGS.steps} steps per call) --\n"
+        f"  {'candidate':<14}{'median ms':>10}{'min ms':>9}{'this/stock':>12}"
+        f"{'this/floor':>12}{'bytes/step':>14}{'loopback MiB/step':>19}"
+    )
+    for name in names:
+        sent = "-" if per_step[name] is None else f"{per_step[name]:,.0f}"
+        say(
+            f"  {name:<14}{1e3 * np.median(seconds[name]):>10.1f}"
+            f"{1e3 * seconds[name].min():>9.1f}"
+            f"{allreduce._fmt(allreduce._ratio(seconds[name], seconds[STOCK])):>12}"
+            f"{allreduce._fmt(allreduce._ratio(seconds[name], seconds[FLOOR])):>12}"
+            f"{sent:>14}{wire[name] / 2**20:>19.2f}"
+        )
+    say(
+        f"  ({STOCK}'s float32 gradients are {4 * num_params:,} bytes per "
+        "replica; Keras's optimizer keeps no count.)"
+    )
+    verdicts.add(
+        1,
+        allreduce._ratio(seconds[POWERSGD], seconds[FLOOR]),
+        lambda r: r <= MAX_POWERSGD_TO_FLOOR,
+        f"(a) fit step: {POWERSGD} takes {{value}} the floor's time "
+        f"(target <= {MAX_POWERSGD_TO_FLOOR}x).",
+    )
+    verdicts.add(
+        4,
+        allreduce._ratio(seconds["int8"], seconds["fp16"]),
+        lambda r: r <= MAX_INT8_TO_FP16,
+        f"(d) fit step: int8 takes {{value}} fp16's time "
+        f"(target <= {MAX_INT8_TO_FP16}x).",
+    )
+
+
+def mlp_layers(hidden_units):
+    """An MLP's layer widths, as "784-...-10"."""
+    return "-".join(["784", *hidden_units, "10"])
+
+
+def run_bytes(verdicts, say):
+    """Part 2: each compressor's bytes per replica on ResNet-50's gradient
+    shapes, against float32; prints the table and adds verdict (c).
+
+    Args:
+        verdicts: the `Verdicts` to add to.
+        say: `print` on the chief.
+    """
+    shapes = [tf.TensorShape(s) for s in allreduce.set_shapes("resnet50")]
+    float32 = sum(s.num_elements() for s in shapes) * 4
+    say(
+        f"\n-- bytes per replica on ResNet-50's gradients ({len(shapes)} tensors, "
+        f"{float32 / 4e6:.1f}M floats) --\n"
+        f"  {'compressor':<14}{'bytes':>14}{'float32/this':>14}"
+    )
+    reduction = {}
+    for name, make in WIRE_COMPRESSORS.items():
+        compressor = make()
+        sent = sum(compressor.wire_bytes(s, tf.float32) for s in shapes)
+        reduction[name] = float32 / sent
+        say(f"  {name:<14}{sent:>14,}{reduction[name]:>14.1f}")
+    say(f"  {'float32':<14}{float32:>14,}{1:>14.1f}")
+    verdicts.add(
+        3,
+        reduction[POWERSGD],
+        lambda r: r >= MIN_POWERSGD_REDUCTION,
+        f"(c) ResNet-50: {POWERSGD} sends {{value}} fewer bytes than float32 "
+        f"(target >= {MIN_POWERSGD_REDUCTION:g}x).",
+    )
+
+
+def accuracy(model, x, y):
+    """`model`'s accuracy on `x, y`, in percent, computed by this worker
+    alone on its copy of the weights (equal on every replica)."""
+    predicted = [
+        np.argmax(model(x[i : i + 500], training=False), axis=-1)
+        for i in range(0, len(x), 500)
+    ]
+    return 100 * float(np.mean(np.concatenate(predicted) == y))
+
+
+def run_convergence(strategy, ops, model_name, verdicts, say):
+    """Part 3: trains `model_name` with every compression for
+    `--convergence_steps` steps; prints its test accuracies and adds
+    verdicts (b) and (e).
+
+    Args:
+        strategy: the worker's strategy.
+        ops: a dict with the `"ours"` and `"stock"` cross-device ops.
+        model_name: "mlp" or "cnn".
+        verdicts: the `Verdicts` to add to.
+        say: `print` on the chief, a no-op elsewhere.
+    """
+    (x_train, y_train), (x_test, y_test) = tf_agn.datasets.load(
+        "mnist5k", flatten=model_name == "mlp"
+    )
+    dataset = mnist_batches(strategy, x_train, y_train)
+    install(strategy, "ours", ops)
+    hidden = FLAGS.convergence_hidden_units
+    title = f"MLP {mlp_layers(hidden)}" if model_name == "mlp" else "CNN"
+    say(
+        f"\n-- convergence: {title}, Adam {FLAGS.learning_rate:g}, "
+        f"{FLAGS.convergence_steps} steps of {FLAGS.batch_size} per replica, "
+        f"mnist5k --\n  {'candidate':<20}{'test accuracy %':>16}{'ours - this':>13}"
+        f"{'seconds':>9}"
+    )
+    accuracies = {}
+    for name in [*COMPRESSIONS, *CONVERGENCE_ONLY]:
+        start = time.perf_counter()
+        model = build_model(strategy, model_name, make_optimizer(name), hidden)
+        fit(model, dataset, FLAGS.convergence_steps)
+        accuracies[name] = accuracy(model, x_test, y_test)
+        del model
+        gc.collect()
+        say(
+            f"  {name:<20}{accuracies[name]:>16.1f}"
+            f"{accuracies['ours'] - accuracies[name]:>13.1f}"
+            f"{time.perf_counter() - start:>9.1f}"
+        )
+    targets = (
+        (2, "b", POWERSGD, MAX_POWERSGD_ACCURACY_DROP),
+        (5, "e", "int8", MAX_INT8_ACCURACY_DROP),
+    )
+    for target, letter, name, limit in targets:
+        verdicts.add_points(
+            target,
+            accuracies["ours"] - accuracies[name],
+            limit,
+            f"({letter}) {title}: {name}'s accuracy is {{value}} below ours' "
+            f"(target <= {limit:g} points).",
+        )
+
+
+class Verdicts(allreduce.Verdicts):
+    """`allreduce.Verdicts`, with lines for accuracy drops in points."""
+
+    def add_points(self, target, drop, limit, text):
+        """Adds the line for target number `target`: PASS if `drop` (points
+        below the baseline; negative is above) is at most `limit`. `text`
+        is formatted with `value`, the drop as "0.12 points"."""
+        verdict = "PASS" if drop <= limit else "FAIL"
+        self.lines.append((target, f"{verdict}: {text.format(value=f'{drop:.2f} points')}"))
+
+
+def worker_main():
+    """One worker's run: builds the strategy, runs the parts, and on the
+    chief prints the header, tables and verdicts."""
+    tf.get_logger().setLevel("ERROR")
+    strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy()
+    is_chief = int(strategy.cluster_resolver.task_id) == 0
+    say = print if is_chief else (lambda *args, **kwargs: None)
+    ops = {
+        "stock": _compat.cross_device_ops(strategy.extended),
+        "ours": multi_worker_allreduce.our_ops(strategy),
+    }
+    import keras
+
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    say(
+        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
+        f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
+        f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica "
+        f"each; {STOCK}: {allreduce.describe_stock(strategy)}; {FLAGS.repeats} "
+        f"rounds; loopback bytes over {FLAGS.byte_calls} steps"
+    )
+    verdicts = Verdicts()
+    if "bytes" in FLAGS.parts and is_chief:
+        run_bytes(verdicts, say)
+    if "speed" in FLAGS.parts:
+        run_speed(strategy, ops, verdicts, say)
+    if "convergence" in FLAGS.parts:
+        for model_name in FLAGS.convergence_models:
+            run_convergence(strategy, ops, model_name, verdicts, say)
+    if is_chief:
+        verdicts.print()
+
+
+def check_flags():
+    """Raises `app.UsageError` for a flag value the run cannot use."""
+    for flag, allowed in (("parts", PARTS), ("convergence_models", MODELS)):
+        for value in FLAGS[flag].value:
+            if value not in allowed:
+                raise app.UsageError(
+                    f"Unknown --{flag} value {value!r}; allowed: {', '.join(allowed)}."
+                )
+    if FLAGS.num_workers < 2:
+        raise app.UsageError(f"--num_workers must be >= 2; received {FLAGS.num_workers}.")
+
+
+def main(argv):
+    del argv  # absl has taken the flags out; workers get the command line
+    check_flags()
+    if "TF_CONFIG" not in os.environ:
+        # Every worker runs this command again, with TF_CONFIG; run_workers
+        # stops them all when one fails, and on Ctrl-C.
+        command = [sys.executable, *sys.argv]
+        sys.exit(launch.run_workers(command, FLAGS.num_workers))
+    json.loads(os.environ["TF_CONFIG"])  # a clear error if it is not JSON
+    worker_main()
+
+
+if __name__ == "__main__":
+    app.run(main)
