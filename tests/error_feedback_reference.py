@@ -11,7 +11,7 @@ tests/gpu_worker.py on GPUs.
 import numpy as np
 import tensorflow as tf
 
-import replica_values
+import placed_values
 
 LEVELS = np.float32(127)
 
@@ -110,7 +110,7 @@ def one_step_errors(ops, strategy, devices, seed=0):
     arrays = [rng.normal(size=(64, 48)).astype(np.float32) for _ in range(n)]
 
     def per_replica(values):
-        return replica_values.per_replica(strategy, devices, values)
+        return placed_values.per_replica(strategy, devices, values)
 
     errors = {}
     for name, compressor in (

@@ -26,7 +26,7 @@ from contract import aggregate_results  # noqa: E402
 from contract import contract_results  # noqa: E402
 from contract import reference_methods  # noqa: E402
 from error_feedback_reference import one_step_errors  # noqa: E402
-import replica_values  # noqa: E402
+import placed_values  # noqa: E402
 
 SHAPES = [(1024, 512)] * 24 + [(512,)] * 24  # about 12.6 M floats
 REPEATS = 20
@@ -44,7 +44,7 @@ def devices():
 def per_replica(strategy, names, arrays):
     """One `PerReplica` value per position in each replica's `arrays`."""
     return [
-        replica_values.per_replica(strategy, names, [a[i] for a in arrays])
+        placed_values.per_replica(strategy, names, [a[i] for a in arrays])
         for i in range(len(arrays[0]))
     ]
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
-import replica_values
+import placed_values
 from tf_agn import AggregatingAllReduce
 from tf_agn import AggregationMethod
 from tf_agn import packing
@@ -86,7 +86,7 @@ def replica_arrays(shape, dtype, seed=0):
 
 def per_replica(strategy, arrays):
     """A `PerReplica` value holding `arrays[r]` on replica r's device."""
-    return replica_values.per_replica(strategy, DEVICES, arrays)
+    return placed_values.per_replica(strategy, DEVICES, arrays)
 
 
 def expected(reduce_op, arrays):

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tf_agn
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
-import replica_values
+import placed_values
 from error_feedback_reference import int8_reference
 from error_feedback_reference import one_step_errors
 from error_feedback_reference import powersgd_reference
@@ -28,7 +28,7 @@ SHAPES = [(40, 30), (30,), (7, 5, 3)]
 
 def per_replica(strategy, arrays):
     """A `PerReplica` value holding `arrays[r]` on replica r's device."""
-    return replica_values.per_replica(strategy, DEVICES, arrays)
+    return placed_values.per_replica(strategy, DEVICES, arrays)
 
 
 def values_and_states(strategy, compressor, seed=0, residual_scale=0.1):

@@ -137,16 +137,8 @@ class ErrorFeedbackCompressor:
         raise NotImplementedError
 
     def decode(self, payload, shape, dtype):
-        """The value `encode` made `payload` of, on the receiver.
-
-        Args:
-            payload: what `encode` returned.
-            shape: the value's static shape.
-            dtype: the value's dtype.
-
-        Returns:
-            A tensor of `shape` and `dtype`.
-        """
+        """The value `encode` made `payload` of, on the receiver; as
+        `tf_agn.compression.Compressor.decode`."""
         raise NotImplementedError
 
     def wire_bytes(self, shape, dtype):
