@@ -142,6 +142,6 @@ def one_step_errors(ops, strategy, devices, seed=0):
             step = np.abs(want).max() / 127
             errors[name] = max(float(np.abs(g.reshape(-1) - want).max() / step) for g in got)
         else:
-            want, _, _ = powersgd_reference(scaled, initial["powersgd_q"])
+            want, _, _ = powersgd_reference(scaled, initial["powersgd_q"].T)
             errors[name] = max(float(np.abs(g - want).max()) for g in got)
     return errors

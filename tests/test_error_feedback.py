@@ -161,14 +161,15 @@ def test_powersgd_one_step_matches_the_reference(transport, traced):
             (a[i] * scale + s[i]["residual"]).reshape(rows, shape[-1])
             for a, s in zip(arrays, state_arrays)
         ]
-        q = state_arrays[0][i]["powersgd_q"]
+        # The state holds Q transposed ([r, cols]); the reference, Q.
+        q = state_arrays[0][i]["powersgd_q"].T
         want, want_residuals, want_q = powersgd_reference(matrices, q)
         for r in range(NUM_REPLICAS):
             np.testing.assert_allclose(combined[i][r].reshape(rows, -1), want, atol=2e-5)
             np.testing.assert_allclose(
                 new_states[i]["residual"][r].reshape(rows, -1), want_residuals[r], atol=2e-5
             )
-            np.testing.assert_allclose(new_states[i]["powersgd_q"][r], want_q, atol=2e-4)
+            np.testing.assert_allclose(new_states[i]["powersgd_q"][r], want_q.T, atol=2e-4)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -183,7 +184,7 @@ def test_powersgd_is_exact_when_the_rank_reaches_the_gradients(transport):
     state = {
         "residual": per_replica(strategy, [np.zeros((64, 32), np.float32)] * NUM_REPLICAS),
         "powersgd_q": per_replica(
-            strategy, [spec["powersgd_q"].initializer((32, 3), tf.float32).numpy()] * NUM_REPLICAS
+            strategy, [spec["powersgd_q"].initializer((3, 32), tf.float32).numpy()] * NUM_REPLICAS
         ),
     }
     (combined,), (new_state,) = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
@@ -192,7 +193,7 @@ def test_powersgd_is_exact_when_the_rank_reaches_the_gradients(transport):
         np.testing.assert_allclose(new_state["residual"][r], 0, atol=1e-4)
     # One rank short, it is not.
     short = compression.PowerSGD(rank=2)
-    state["powersgd_q"] = per_replica(strategy, [np.ones((32, 2), np.float32)] * NUM_REPLICAS)
+    state["powersgd_q"] = per_replica(strategy, [np.ones((2, 32), np.float32)] * NUM_REPLICAS)
     (combined,), _ = run(strategy, ops, "sum", [value], [state], short, traced=True)
     assert np.abs(combined[0] - sum(arrays)).max() > 1e-2
 

@@ -201,12 +201,11 @@ def combine_with_state(
                 finite = tf.reduce_all(
                     [tf.reduce_all(tf.math.is_finite(c)) for c in replica_combined]
                 )
-                guarded.append(
-                    [
-                        {name: tf.where(finite, new[i][name], old[i][name]) for name in old[i]}
-                        for i in range(len(old))
-                    ]
-                )
+                # A cond picks one of the two states whole, where an
+                # elementwise select would read both and write a copy.
+                if tf.nest.flatten(new):
+                    new = tf.cond(finite, lambda new=new: new, lambda old=old: old)
+                guarded.append(new)
         return combined, guarded
 
     if compressor.start_step == 0:
