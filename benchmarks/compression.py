@@ -44,11 +44,23 @@ next step instead of losing it. Three parts measure the three sides:
    all-reduce that waits for them; every process of the network namespace
    counts, so keep other localhost traffic off the machine).
 
-2. **Bytes on ResNet-50's gradients** (25.6M float32 values, the shapes
+2. **Codec** (`codec`): what each compressor's own arithmetic costs, the
+   side of the trade that the fit step cannot separate from sending:
+   every worker runs, on one replica's gradients of the speed part's MLP,
+   the candidate's encoding, sum and decoding (with error feedback and its
+   guard, for int8 and PowerSGD) through a single replica's local
+   communicator, so that nothing is sent, against the memory floor: one
+   XLA pass that reads each gradient once and writes it once. From these
+   it prints the link speed below which int8's fewer bytes outweigh its
+   extra arithmetic against fp16, and each stateful compressor's fit step
+   if sending cost nothing (the floor's step plus its arithmetic): the
+   best a faster network could give it.
+
+3. **Bytes on ResNet-50's gradients** (25.6M float32 values, the shapes
    of `allreduce.py`'s `resnet50` set): each compressor's `wire_bytes`
    summed over the tensors, against float32. Computed, not timed.
 
-3. **Convergence**: test accuracy on `mnist5k` (4,000 training and 1,000
+4. **Convergence**: test accuracy on `mnist5k` (4,000 training and 1,000
    test images) after `--convergence_steps` steps of Adam, the same seed,
    initial weights and data order for every candidate: `ours`, `fp16`,
    `int8`, `powersgd_r1`, `powersgd_r4` and `powersgd_r4_no_ef` (rank 4
@@ -130,7 +142,7 @@ WIRE_COMPRESSORS = {
     POWERSGD: COMPRESSIONS[POWERSGD],
 }
 MODELS = ("mlp", "cnn")
-PARTS = ("speed", "bytes", "convergence")
+PARTS = ("speed", "codec", "bytes", "convergence")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {', '.join(PARTS)}.")
@@ -142,9 +154,6 @@ flags.DEFINE_integer("steps", 5, "Timed steps per fit call (one per round).")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps that trace each candidate.")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of every model's weights and data order.")
-# Each worker process gained about a dozen threads named "collective_ops"
-# per step in the recorded runs (cause not isolated), and this machine
-# stops at 32,768 threads (pid_max): 300 steps per candidate aborted a run.
 flags.DEFINE_integer(
     "convergence_steps", 100, "Training steps per candidate before testing."
 )
@@ -322,6 +331,9 @@ def run_speed(strategy, ops, verdicts, say):
     """Part 1: times a fit step per candidate in rotating rounds; prints
     the table (chief) and adds verdicts (a) and (d).
 
+    Returns:
+        The floor's median fit step, in ms.
+
     Args:
         strategy: the worker's strategy.
         ops: a dict with the `"ours"` and `"stock"` cross-device ops.
@@ -401,6 +413,152 @@ def run_speed(strategy, ops, verdicts, say):
         f"(d) fit step: int8 takes {{value}} fp16's time "
         f"(target <= {MAX_INT8_TO_FP16}x).",
     )
+    return 1e3 * np.median(seconds[FLOOR])
+
+
+def gradient_shapes(hidden_units):
+    """The shapes of the MLP 784-`hidden_units`-10's gradients."""
+    widths = [784, *(int(units) for units in hidden_units), 10]
+    shapes = []
+    for rows, cols in zip(widths, widths[1:]):
+        shapes += [(rows, cols), (cols,)]
+    return shapes
+
+
+def codec_fn(name, values, scale):
+    """A function that runs candidate `name`'s own arithmetic once on one
+    replica's `values`, as the optimizer's aggregation does, with nothing
+    sent: the local communicator of a single replica passes each buffer
+    on.
+
+    Returns:
+        A `tf.function` of no arguments returning a scalar that depends on
+        every result.
+    """
+    from tf_agn import packing
+    from tf_agn.compression.error_feedback import combine_with_state
+    from tf_agn.local_transport import LocalCommunicator
+
+    compressor = tf_agn.compression.get(COMPRESSIONS[name]())
+    device = values[0].device
+    if not tf_agn.compression.is_stateful(compressor):
+
+        @tf.function
+        def cast():
+            flat = packing.flatten(values, scale, compressor, jit_compile=True)
+            return checksum(packing.unflatten(flat, values, compressor, jit_compile=True))
+
+        return cast
+    states = []
+    for value in values:
+        state = {}
+        for key, spec in compressor.state_spec(value.shape).items():
+            initial = spec.initializer if callable(spec.initializer) else tf.zeros
+            state[key] = tf.Variable(initial(spec.shape, tf.float32))
+        states.append(state)
+    communicator = LocalCommunicator([device], device)
+    step = tf.constant(0, tf.int64)
+
+    @tf.function
+    def stateful():
+        read = [{key: v.read_value() for key, v in state.items()} for state in states]
+        (combined,), (new,) = combine_with_state(
+            compressor, communicator, [values], [read], [tf.constant(scale)],
+            packing.DEFAULT_BYTES_PER_PACK, True, step,
+        )
+        for state, kept in zip(states, new):
+            for key, variable in state.items():
+                variable.assign(kept[key])
+        return checksum(combined)
+
+    return stateful
+
+
+def sent_bytes(name, shapes):
+    """The bytes one replica sends per step of gradients of `shapes` with
+    candidate `name`, by its compressor's `wire_bytes` (float32 without)."""
+    compressor = tf_agn.compression.get(COMPRESSIONS[name]())
+    shapes = [tf.TensorShape(s) for s in shapes]
+    if compressor is None:
+        return sum(4 * s.num_elements() for s in shapes)
+    return sum(compressor.wire_bytes(s, tf.float32) for s in shapes)
+
+
+def checksum(tensors):
+    """A scalar that reads one element of each of `tensors`."""
+    return tf.add_n([tf.reshape(t, [-1])[0] for t in tensors])
+
+
+def run_codec(say, floor_ms=None):
+    """Part 4: each candidate's own arithmetic (encoding, summing what a
+    single replica holds, decoding, error feedback) on one replica's
+    gradients of the speed part's MLP, nothing sent, against the memory
+    floor: one XLA pass that reads every gradient once and writes it once.
+    Every worker times its own, at once, so each has the share of the
+    cores it has in the fit step.
+
+    Prints (chief) each candidate's median over `--repeats` rounds of
+    `--steps` calls, in ms and in floor passes; what int8 saves over fp16
+    per millisecond it spends more, i.e. the link speed below which int8's
+    step is the faster; and with `floor_ms` (the speed part's floor step),
+    the step each stateful compressor would take if sending cost nothing.
+    """
+    shapes = gradient_shapes(FLAGS.hidden_units)
+    rng = np.random.default_rng(FLAGS.seed)
+    values = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    scale = 1 / FLAGS.num_workers
+    memory_pass = tf.function(
+        lambda: checksum([v * scale for v in values]), jit_compile=True
+    )
+    names = list(COMPRESSIONS)
+    functions = {"memory pass": memory_pass, **{n: codec_fn(n, values, scale) for n in names}}
+    for function in functions.values():
+        for _ in range(FLAGS.warmup_steps):
+            function().numpy()
+    samples = {name: [] for name in functions}
+
+    def timed(name):
+        def run():
+            times = []
+            for _ in range(FLAGS.steps):
+                start = time.perf_counter()
+                functions[name]().numpy()
+                times.append(time.perf_counter() - start)
+            samples[name].append(np.median(times))
+
+        return run
+
+    allreduce.time_rounds({name: timed(name) for name in functions}, FLAGS.repeats)
+    ms = {name: 1e3 * np.median(s) for name, s in samples.items()}
+    wire = {name: sent_bytes(name, shapes) for name in names}
+    say(
+        f"\n-- codec: one replica's arithmetic on the MLP {mlp_layers(FLAGS.hidden_units)}'s "
+        f"gradients, nothing sent --\n"
+        f"  {'candidate':<14}{'median ms':>10}{'memory passes':>15}{'bytes sent':>14}"
+    )
+    for name in functions:
+        sent = f"{wire[name]:,.0f}" if name in wire else "-"
+        say(
+            f"  {name:<14}{ms[name]:>10.1f}{ms[name] / ms['memory pass']:>15.1f}{sent:>14}"
+        )
+    saved = wire["fp16"] - wire["int8"]
+    extra = ms["int8"] - ms["fp16"]
+    say(
+        f"  int8 sends {saved / 2**20:.1f} MiB fewer than fp16 per replica and step, "
+        f"for {extra:.1f} ms more arithmetic: "
+        + (
+            f"it is the faster below {saved / (extra * 1e-3) / 1e9:.2f} GB/s per replica."
+            if extra > 0
+            else "it is the faster on any link."
+        )
+    )
+    if floor_ms:
+        for name in names:
+            if tf_agn.compression.is_stateful(tf_agn.compression.get(COMPRESSIONS[name]())):
+                say(
+                    f"  {name}, sending nothing: ({floor_ms:.1f} + {ms[name]:.1f}) ms = "
+                    f"{(floor_ms + ms[name]) / floor_ms:.2f}x the floor's fit step."
+                )
 
 
 def mlp_layers(hidden_units):
@@ -536,8 +694,9 @@ def worker_main():
     verdicts = Verdicts()
     if "bytes" in FLAGS.parts and is_chief:
         run_bytes(verdicts, say)
-    if "speed" in FLAGS.parts:
-        run_speed(strategy, ops, verdicts, say)
+    floor_ms = run_speed(strategy, ops, verdicts, say) if "speed" in FLAGS.parts else None
+    if "codec" in FLAGS.parts:
+        run_codec(say, floor_ms)
     if "convergence" in FLAGS.parts:
         for model_name in FLAGS.convergence_models:
             run_convergence(strategy, ops, model_name, verdicts, say)

@@ -65,6 +65,13 @@ def test_compression_runs_and_reports():
     out = result.stdout
     for name in ("stock", "ours", "fp16", "int8", "powersgd_r1", "powersgd_r4", "floor"):
         assert re.search(rf"^  {name}\s+\d+\.\d\s+\d+\.\d\s", out, re.M), (name, out)
+    # The codec part: every candidate against the memory pass, and what
+    # int8's bytes buy against fp16.
+    assert re.search(r"^  memory pass\s+\d+\.\d\s+1\.0\s+-$", out, re.M), out
+    for name in ("ours", "fp16", "int8", "powersgd_r1", "powersgd_r4"):
+        assert re.search(rf"^  {name}\s+\d+\.\d\s+\d+\.\d\s+[\d,]+$", out, re.M), (name, out)
+    assert re.search(r"^  int8 sends .* fewer than fp16 .*: it is the faster", out, re.M), out
+    assert re.search(r"^  powersgd_r4, sending nothing: .* = \d+\.\d\dx the floor", out, re.M), out
     assert re.search(r"^  powersgd_r4\s+[\d,]+\s+\d+\.\d$", out, re.M), out  # ResNet-50 bytes
     assert re.search(r"^  powersgd_r4_no_ef\s+\d+\.\d\s", out, re.M), out  # accuracy
     for letter in "abcde":
