@@ -270,8 +270,9 @@ class LocalCluster:
         missing = unreachable(addresses, self._start_timeout, poll=self._check_alive)
         if not missing and self._mode == "processes":
             # Another process's server may answer on a port that one of ours
-            # then fails to bind (free_ports cannot hold ports while the
-            # servers import TensorFlow); only our servers' word counts.
+            # then fails to bind (free_ports holds ports only against binds
+            # to port 0, not against one by number); only our servers' word
+            # counts.
             missing = self._not_serving(deadline)
         if missing:
             raise TimeoutError(

@@ -18,8 +18,13 @@ def free_ports(count):
     """Returns `count` distinct TCP ports that nothing on this host listens on.
 
     The operating system picks them (binding to port 0); all are bound at
-    once, so they differ. Another process may still take one before the
-    caller binds it.
+    once, so they differ. Each then stays reserved for about a minute, for
+    the caller's server to bind: a connection to it is closed from its side
+    first, which leaves the port in TIME_WAIT. Binds to port 0 skip such
+    ports (in any process, other `free_ports` calls included), while a
+    server that sets SO_REUSEADDR, as TensorFlow's gRPC servers do, binds
+    it at once. A process that binds the port by its number with
+    SO_REUSEADDR may still take it first.
 
     Args:
         count: how many ports.
@@ -27,16 +32,24 @@ def free_ports(count):
     Returns:
         A list of port numbers.
     """
-    sockets = []
+    listeners = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind(("", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listeners.append(listener)
+            # The TIME_WAIT socket inherits it; without it, the server's
+            # bind would conflict with the reservation too.
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), _ATTEMPT_TIMEOUT_S):
+                accepted, _ = listener.accept()
+                accepted.close()  # Closing first puts this end in TIME_WAIT.
+        return [listener.getsockname()[1] for listener in listeners]
     finally:
-        for sock in sockets:
-            sock.close()
+        for listener in listeners:
+            listener.close()
 
 
 def host_and_port(address):

@@ -81,6 +81,44 @@ def running_servers(server_script):
     return pids
 
 
+def own_servers(server_script):
+    """`running_servers` started under this pytest-xdist worker (all of
+    them without xdist): another worker's servers run at the same time and
+    are its to check.
+
+    A server is this worker's if its environment holds the worker's
+    PYTEST_XDIST_WORKER, which it inherits from the worker through every
+    process in between (if their environments derive from the parent's),
+    even once its parent has died. conftest.py's check at the end of the
+    session sees every server.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return running_servers(server_script)
+    mark = f"PYTEST_XDIST_WORKER={worker}".encode()
+    return [
+        pid
+        for pid in running_servers(server_script)
+        if mark in _proc_entries(pid, "environ")
+    ]
+
+
+def command_line(pid):
+    """Process `pid`'s command line, for messages."""
+    return " ".join(
+        arg.decode(errors="replace") for arg in _proc_entries(pid, "cmdline") if arg
+    )
+
+
+def _proc_entries(pid, name):
+    """The NUL-separated entries of /proc/PID/NAME; none if it has exited."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
 def wait_for_no_servers(server_script, seconds=5):
     """The servers still running after `seconds`; servers that watch their
     parent exit about 0.5 s after it."""

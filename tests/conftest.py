@@ -17,15 +17,31 @@ def devices():
     return list(DEVICES)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_server_outlives_the_suite():
-    """Every test that starts servers must stop them: none may remain."""
-    yield
+# First: pytest-xdist's own hook ends the workers, and servers die with
+# their parent, so a check after it would miss every leak.
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """Every test that starts servers must stop them: none may remain.
+
+    Checked once all tests have run: under pytest-xdist in the controller,
+    once every worker has finished (a worker that finishes first would see
+    another's live servers).
+    """
+    if hasattr(session.config, "workerinput"):  # an xdist worker
+        return
+    from cluster_checks import command_line
     from cluster_checks import wait_for_no_servers
     from tf_agn.strategies import cluster
 
     leaked = wait_for_no_servers(cluster._SERVER_SCRIPT)
-    assert not leaked, f"Server processes outlived the tests: {leaked}"
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write_line("")  # The progress line has not ended yet.
+        reporter.write_sep("=", "Server processes outlived the tests", red=True)
+        for pid in leaked:
+            reporter.write_line(f"{pid}: {command_line(pid)}")
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config):

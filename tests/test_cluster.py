@@ -22,8 +22,8 @@ import pytest
 from cluster_checks import alive
 from cluster_checks import checkout_env
 from cluster_checks import listening
+from cluster_checks import own_servers
 from cluster_checks import port_is_free
-from cluster_checks import running_servers
 from cluster_checks import run_in_fresh_process
 from tf_agn.strategies import LocalCluster
 from tf_agn.strategies import parameter_server
@@ -48,7 +48,7 @@ def no_leaked_servers():
         time.sleep(0.1)
     assert not [pid for pid in STARTED_PIDS if alive(pid)]
     if os.path.isdir("/proc"):
-        assert not running_servers(SERVER_SCRIPT)
+        assert not own_servers(SERVER_SCRIPT)
 
 
 def _port(address):
