@@ -427,9 +427,10 @@ def gradient_shapes(hidden_units):
 
 def codec_fn(name, values, scale):
     """A function that runs candidate `name`'s own arithmetic once on one
-    replica's `values`, as the optimizer's aggregation does, with nothing
-    sent: the local communicator of a single replica passes each buffer
-    on.
+    replica's `values` (variables, read as gradients arrive: computed
+    tensors), as the optimizer's aggregation does, pack by pack, with
+    nothing sent: the local communicator of a single replica passes each
+    buffer on.
 
     Returns:
         A `tf.function` of no arguments returning a scalar that depends on
@@ -442,11 +443,16 @@ def codec_fn(name, values, scale):
     compressor = tf_agn.compression.get(COMPRESSIONS[name]())
     device = values[0].device
     if not tf_agn.compression.is_stateful(compressor):
+        _, packs = packing.split_packs(values, packing.DEFAULT_BYTES_PER_PACK)
 
         @tf.function
         def cast():
-            flat = packing.flatten(values, scale, compressor, jit_compile=True)
-            return checksum(packing.unflatten(flat, values, compressor, jit_compile=True))
+            results = []
+            for pack in packs:
+                tensors = [values[i].read_value() for i in pack]
+                flat = packing.flatten(tensors, scale, compressor, jit_compile=True)
+                results += packing.unflatten(flat, tensors, compressor, jit_compile=True)
+            return checksum(results)
 
         return cast
     states = []
@@ -462,8 +468,9 @@ def codec_fn(name, values, scale):
     @tf.function
     def stateful():
         read = [{key: v.read_value() for key, v in state.items()} for state in states]
+        current = [value.read_value() for value in values]
         (combined,), (new,) = combine_with_state(
-            compressor, communicator, [values], [read], [tf.constant(scale)],
+            compressor, communicator, [current], [read], [tf.constant(scale)],
             packing.DEFAULT_BYTES_PER_PACK, True, step,
         )
         for state, kept in zip(states, new):
@@ -505,11 +512,12 @@ def run_codec(say, floor_ms=None):
     """
     shapes = gradient_shapes(FLAGS.hidden_units)
     rng = np.random.default_rng(FLAGS.seed)
-    values = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    values = [tf.Variable(rng.normal(size=s).astype(np.float32)) for s in shapes]
     scale = 1 / FLAGS.num_workers
-    memory_pass = tf.function(
-        lambda: checksum([v * scale for v in values]), jit_compile=True
-    )
+    # Its own XLA call, so that XLA writes every product, not just the
+    # elements the checksum reads.
+    scaled = tf.function(lambda tensors: [t * scale for t in tensors], jit_compile=True)
+    memory_pass = tf.function(lambda: checksum(scaled([v.read_value() for v in values])))
     names = list(COMPRESSIONS)
     functions = {"memory pass": memory_pass, **{n: codec_fn(n, values, scale) for n in names}}
     for function in functions.values():

@@ -131,12 +131,15 @@ class Int8(ErrorFeedbackCompressor):
             gathered = communicator.all_gather(rows)
             for r, device in enumerate(devices):
                 with tf.device(device):
+                    # TensorFlow's own split hands out pieces of a buffer
+                    # without copying them, where XLA's would copy.
                     flat = compiled(_dequantize_wire, jit_compile, device)(gathered[r], layout)
-                    tensors = compiled(_split, jit_compile, device)(flat, shapes)
+                    tensors = _split(flat, shapes)
                     if self.error_feedback:
-                        residuals = compiled(_residuals, jit_compile, device)(
-                            worker_errors[r], owner_errors[r], communicator.rank(r), shapes, layout
+                        error = compiled(_error, jit_compile, device)(
+                            worker_errors[r], owner_errors[r], communicator.rank(r), layout
                         )
+                        residuals = _split(error, shapes)
                 for position, index in enumerate(pack):
                     combined[r][index] = tensors[position]
                     if self.error_feedback:
@@ -248,12 +251,11 @@ def _dequantize_wire(gathered, layout):
     return tf.reshape(dequantize(codes, scales), [-1])
 
 
-def _residuals(worker_error, owner_error, rank, shapes, layout):
-    """The new residuals: what this replica's quantization dropped, plus
-    what the second quantization dropped of the part it reduced."""
+def _error(worker_error, owner_error, rank, layout):
+    """The new residuals, flat: what this replica's quantization dropped,
+    plus what the second quantization dropped of the part it reduced."""
     start = rank * layout.part_length
-    error = worker_error + tf.pad(owner_error, [[start, layout.padded - start - layout.part_length]])
-    return _split(error, shapes)
+    return worker_error + tf.pad(owner_error, [[start, layout.padded - start - layout.part_length]])
 
 
 def _split(flat, shapes):
