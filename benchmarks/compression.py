@@ -158,7 +158,7 @@ flags.DEFINE_integer(
     "convergence_steps", 100, "Training steps per candidate before testing."
 )
 flags.DEFINE_list(
-    "convergence_models", ["mlp"], f"Models to train, of {', '.join(MODELS)}."
+    "convergence_models", ["mlp", "cnn"], f"Models to train, of {', '.join(MODELS)}."
 )
 flags.DEFINE_list(
     "convergence_hidden_units",
