@@ -5,7 +5,12 @@ is shared); the PASS/FAIL line is for people."""
 import os
 import re
 
+import pytest
+
 from scripts import run_python
+
+# Whole example and benchmark runs: in CI, not in the quick command.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADL_THROUGHPUT = os.path.join(ROOT, "benchmarks", "adl_throughput.py")

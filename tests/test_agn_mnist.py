@@ -1,6 +1,7 @@
 """AGN learns real data: the offline MNIST subset, 4 replicas."""
 
 import keras
+import pytest
 
 import tf_agn
 from conftest import DEVICES
@@ -29,6 +30,7 @@ def train(make_optimizer):
     return model.evaluate(x_test, y_test, batch_size=200, verbose=0)[1]
 
 
+@pytest.mark.slow
 def test_agn_adam_matches_synchronous_adam():
     synchronous = train(lambda: tf_agn.optimizers.Adam(4e-3))
     # Normalized commits averaged with MEAN move the center by the mean

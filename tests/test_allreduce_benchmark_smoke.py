@@ -46,6 +46,7 @@ def assert_verdict(out, pattern):
     assert re.search(rf"^  (PASS|FAIL): {pattern}", out, re.M), (pattern, out)
 
 
+@pytest.mark.slow
 def test_allreduce_benchmark_runs_and_reports():
     out = run_benchmark(
         "--sets=tiny",
@@ -89,6 +90,7 @@ def test_allreduce_benchmark_resnet50_target():
     )
 
 
+@pytest.mark.slow
 def test_multi_worker_benchmark_runs_and_reports():
     out = run_benchmark(
         "--sets=big", "--big_size=100000", "--repeats=1", "--byte_calls=1",

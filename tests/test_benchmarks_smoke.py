@@ -48,6 +48,7 @@ def test_step_overhead_rejects_partial_windows():
     assert "not a multiple" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_compression_runs_and_reports():
     # 2 workers, a 784-16-10 MLP, 2 steps, 1 round: start-up and tracing
     # are most of it.

@@ -10,6 +10,9 @@ import pytest
 
 from scripts import run_python
 
+# Whole example and benchmark runs: in CI, not in the quick command.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE_SYNC = os.path.join(ROOT, "examples", "compare_sync.py")
 

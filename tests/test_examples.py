@@ -48,6 +48,7 @@ def test_mnist_mirrored_learns():
     assert printed_accuracy(stdout) >= 0.85
 
 
+@pytest.mark.slow
 def test_mnist_mirrored_with_gradient_accumulation():
     # Micro-batches of 128, 4 per applied step: the effective batch of 512
     # and the 18 applied steps of `test_mnist_mirrored_learns` (3,072
@@ -68,6 +69,7 @@ def test_mnist_mirrored_with_gradient_accumulation():
     assert f"bytes_sent={18 * 235146 * 4}" in stdout
 
 
+@pytest.mark.slow
 def test_mnist_mirrored_with_powersgd():
     # `test_mnist_mirrored_learns` with every gradient sent by rank-4
     # PowerSGD: its kernels 784x256, 256x128 and 128x10 travel as
@@ -89,6 +91,7 @@ def test_mnist_mirrored_with_powersgd():
     assert f"bytes_sent={18 * 6642 * 4}" in stdout
 
 
+@pytest.mark.slow
 def test_mnist_mirrored_with_another_aggregation_and_optimizer():
     stdout = run_example(
         MNIST_MIRRORED,
@@ -103,6 +106,7 @@ def test_mnist_mirrored_with_another_aggregation_and_optimizer():
     assert math.isfinite(accuracy) and 0 <= accuracy <= 1
 
 
+@pytest.mark.slow
 def test_mnist_mirrored_with_agn():
     # 1,024 samples at batch 512: 2 steps per epoch, 4 in all; λ = 2 makes
     # 2 commits, each of the MLP's 235,146 float32 parameters.
@@ -210,6 +214,7 @@ def test_mnist_parameter_server_agn_reaches_ninety_percent():
 
 
 # One of each family; tests/test_simulate.py checks every rule exactly.
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dynsgd", "eamsgd"])
 def test_mnist_parameter_server_runs_other_algorithms(algorithm):
     stdout = run_example(
@@ -227,6 +232,7 @@ def test_mnist_parameter_server_runs_other_algorithms(algorithm):
     assert math.isfinite(accuracy) and 0 <= accuracy <= 1
 
 
+@pytest.mark.slow
 def test_mnist_parameter_server_under_the_launcher():
     # The README's multi-process command: the launcher starts the servers
     # and the example coordinates them through TF_CONFIG.

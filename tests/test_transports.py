@@ -342,6 +342,7 @@ def test_collectives_wait_for_ever_by_default_and_hold_no_thread_per_call():
     assert growth(5) >= 25
 
 
+@pytest.mark.slow
 def test_collective_timeout_turns_a_missing_peer_into_an_error():
     """A group of 2 workers whose second never comes: the caller's
     `timeout_seconds` ends the wait with DeadlineExceededError. A collective
