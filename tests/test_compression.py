@@ -130,10 +130,15 @@ def test_workers_compare_compressors_by_name():
         ops = tf_agn.AggregatingAllReduce(
             transport="collective", num_workers=2, worker_index=0, compression=compressor
         )
-        return agreement.settings_codes(ops, devices)
+        return agreement.strategy_settings(ops, devices)
 
-    assert codes(Float16Scaled()) == codes(Float16Scaled())
-    message = agreement.disagreement([codes("bf16"), codes(Float16Scaled())])
+    def values(settings):
+        return [setting.code for setting in settings]
+
+    assert values(codes(Float16Scaled())) == values(codes(Float16Scaled()))
+    message = agreement.disagreement(
+        codes("bf16"), [values(codes("bf16")), values(codes(Float16Scaled()))]
+    )
     assert message.startswith("Workers disagree on compression: worker 0 has 'bf16', ")
     assert "worker 1 has a compressor of another name" in message
 

@@ -136,21 +136,87 @@ def test_sigterm_stops_a_worker_once_its_strategy_exists():
             assert code == -signal.SIGTERM, out
 
 
+def codes(settings):
+    return [setting.code for setting in settings]
+
+
 def test_disagreement_names_the_first_differing_field_and_every_value():
     ops = tf_agn.AggregatingAllReduce(transport="collective", num_workers=3, worker_index=0)
     other = tf_agn.AggregatingAllReduce(
         transport="collective", num_workers=3, worker_index=1, compression="fp16"
     )
     devices = ["/device:CPU:0"]
-    same = agreement.settings_codes(ops, devices)
-    assert agreement.disagreement([same, same, same]) is None
-    differs = agreement.settings_codes(other, devices)
-    message = agreement.disagreement([same, differs, same])
+    settings = agreement.strategy_settings(ops, devices)
+    same = codes(settings)
+    assert agreement.disagreement(settings, [same, same, same]) is None
+    differs = codes(agreement.strategy_settings(other, devices))
+    message = agreement.disagreement(settings, [same, differs, same])
     assert message.startswith(
         "Workers disagree on compression: worker 0 has None, worker 1 has "
         "'fp16', worker 2 has None."
     )
     assert agreement._version_text(agreement._version_code("1.23.4")) == "1.23.4"
+
+
+def optimizer_codes(compression=None, accumulation=None, units=4):
+    variables = [tf.Variable(tf.zeros((8, units))), tf.Variable(tf.zeros((units,)))]
+    return agreement.optimizer_settings(
+        tf_agn.AggregationMethod.MEAN,
+        tf_agn.compression.get(compression),
+        ("gradient_accumulation_steps", accumulation),
+        variables,
+    )
+
+
+@pytest.mark.parametrize(
+    "differs, named, shown",
+    [
+        ({"compression": "int8"}, "compression", "worker 1 has 'int8'"),
+        (
+            {"compression": tf_agn.compression.PowerSGD(rank=2)},
+            "compression settings",
+            "worker 1 has code",
+        ),
+        ({"accumulation": 4}, "gradient_accumulation_steps", "worker 1 has 4"),
+        ({"units": 5}, "trainable variable shapes and dtypes", "worker 1 has code"),
+    ],
+    ids=["compressor", "its_rank", "accumulation", "shapes"],
+)
+def test_optimizer_disagreement_names_what_differs(differs, named, shown):
+    settings = optimizer_codes(compression=tf_agn.compression.PowerSGD(rank=1))
+    first = codes(settings)
+    again = codes(optimizer_codes(compression=tf_agn.compression.PowerSGD(rank=1)))
+    assert agreement.disagreement(settings, [first, again]) is None
+    other = {"compression": tf_agn.compression.PowerSGD(rank=1), **differs}
+    message = agreement.disagreement(
+        settings, [first, codes(optimizer_codes(**other))], "optimizer and model"
+    )
+    assert message.startswith(f"Workers disagree on {named}: worker 0 has ")
+    assert shown in message
+    assert "must build its optimizer and model with the same settings" in message
+
+
+def test_workers_compressing_differently_both_fail_naming_it():
+    with Workers(2) as workers:
+        workers.launch([(4 * MIB, 120, "fit:int8"), (4 * MIB, 120, "fit:powersgd:1")])
+        for index in range(2):
+            line = workers.wait_for_line(index, "error")
+            assert line == (
+                "error ValueError: Workers disagree on compression: worker 0 "
+                "has 'int8', worker 1 has 'powersgd'. Every worker must build "
+                "its optimizer and model with the same settings (the same "
+                "program and tf_agn release on each)."
+            )
+            code, _ = workers.finish(index, timeout=30)
+            assert code == 1
+
+
+def test_workers_compressing_alike_train():
+    with Workers(2) as workers:
+        workers.launch([(4 * MIB, 120, "fit:powersgd:1")] * 2)
+        for index in range(2):
+            assert workers.wait_for_line(index, "trained") == "trained"
+            assert workers.finish(index, timeout=30)[0] == 0
 
 
 def test_peers_are_every_other_chief_and_worker():

@@ -1,28 +1,44 @@
 """Checking that every worker reduces with the same settings.
 
-Workers that build `AggregatingAllReduce` differently pack, scale or
-compress differently, and their collectives then never meet (a hang) or
-meet with wrong shapes (wrong numbers). `check_agreement` runs once, when
-`tf_agn.strategies.multi_worker_mirrored` creates the strategy: every
-worker all-gathers a few integers that encode what its collectives depend
-on, and every worker raises the same error, naming the field and the
-values, if they differ.
+Workers that reduce differently pack, scale, compress or window
+differently, and their collectives then never meet (a hang) or meet with
+wrong shapes (wrong numbers). Two checks catch this before the first
+collective that depends on them:
+
+- `check_agreement`, when `tf_agn.strategies.multi_worker_mirrored`
+  creates the strategy: the strategy's aggregation, packing, compression,
+  transport, devices and tf_agn release;
+- `check_optimizer_agreement`, when a tf_agn optimizer is built across
+  workers: its own aggregation method, compression,
+  accumulation or window, and the shapes of the variables it trains.
+
+In each, every worker all-gathers a few integers that encode its settings,
+and every worker raises the same error, naming the setting and each
+worker's value, if they differ.
 """
 
+import collections
+import json
 import zlib
 
 import tensorflow as tf
 
+from tf_agn import _compat
 from tf_agn import collective
 from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.replica_aggregation import tf_agn_ops
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
+
+Setting = collections.namedtuple("Setting", ["name", "code", "show"])
+Setting.__doc__ = """One setting workers must share: its name, this worker's
+value encoded as an int64, and how to show a code in an error."""
 
 _METHODS = list(AggregationMethod)
 # Built-in compressions are codes 0, 1, 2, ...; any other compressor's
 # name is encoded by its CRC-32 after them.
-_COMPRESSIONS = [None, *compression.BY_NAME]
+_COMPRESSIONS = [None, *compression.BY_NAME, compression.PowerSGD.name]
 _IMPLEMENTATIONS = list(CommunicationImplementation)
 
 
@@ -39,7 +55,7 @@ def _compression_code(compressor):
     name = compression.name_of(compressor)
     if name in _COMPRESSIONS:
         return _COMPRESSIONS.index(name)
-    return len(_COMPRESSIONS) + zlib.crc32(str(name).encode())
+    return len(_COMPRESSIONS) + _crc(name)
 
 
 def _compression_text(code):
@@ -48,25 +64,86 @@ def _compression_text(code):
     return f"a compressor of another name (code {code})"
 
 
-# name: (what to encode, as an int; how to show a code).
-FIELDS = {
-    "aggregation": (
-        lambda ops, _: _METHODS.index(ops.aggregation),
-        lambda code: _METHODS[code].value,
-    ),
-    "bytes_per_pack": (lambda ops, _: ops.bytes_per_pack, str),
-    "compression": (lambda ops, _: _compression_code(ops.compressor), _compression_text),
-    "transport": (
-        lambda ops, _: collective.TRANSPORTS.index(ops.transport),
-        lambda code: collective.TRANSPORTS[code],
-    ),
-    "implementation": (
-        lambda ops, _: _IMPLEMENTATIONS.index(ops.options.implementation),
-        lambda code: _IMPLEMENTATIONS[code].name,
-    ),
-    "local replicas": (lambda _, devices: len(devices), str),
-    "tf_agn version": (lambda ops, _: _version_code(_tf_agn_version()), _version_text),
-}
+def _crc(value):
+    """A code for any JSON-able value that is the same in every process."""
+    return zlib.crc32(json.dumps(value, sort_keys=True, default=str).encode())
+
+
+def _code_text(code):
+    return f"code {code}"
+
+
+def _method_setting(name, method):
+    return Setting(name, _METHODS.index(method), lambda code: _METHODS[code].value)
+
+
+def compression_settings(compressor):
+    """The compressor's name, then its configuration (PowerSGD's rank, say),
+    as `Setting`s."""
+    return [
+        Setting("compression", _compression_code(compressor), _compression_text),
+        Setting("compression settings", _crc(_configuration(compressor)), _code_text),
+    ]
+
+
+def _configuration(compressor):
+    try:
+        return compression.serialize(compressor)
+    except TypeError:  # A user's compressor without `get_config`: its class.
+        return f"{type(compressor).__module__}.{type(compressor).__qualname__}"
+
+
+def strategy_settings(ops, devices):
+    """What this worker's collectives depend on in its strategy.
+
+    Args:
+        ops: this worker's `AggregatingAllReduce`.
+        devices: this worker's replica devices.
+
+    Returns:
+        A list of `Setting`s, in the order workers compare them.
+    """
+    return [
+        _method_setting("aggregation", ops.aggregation),
+        Setting("bytes_per_pack", ops.bytes_per_pack, str),
+        *compression_settings(ops.compressor),
+        Setting(
+            "transport",
+            collective.TRANSPORTS.index(ops.transport),
+            lambda code: collective.TRANSPORTS[code],
+        ),
+        Setting(
+            "implementation",
+            _IMPLEMENTATIONS.index(ops.options.implementation),
+            lambda code: _IMPLEMENTATIONS[code].name,
+        ),
+        Setting("local replicas", len(devices), str),
+        Setting("tf_agn version", _version_code(_tf_agn_version()), _version_text),
+    ]
+
+
+def optimizer_settings(method, compressor, window, variables):
+    """What an optimizer's collectives depend on.
+
+    Args:
+        method: the `AggregationMethod` in force.
+        compressor: the compressor in force, or None.
+        window: `(name, steps)`: how many steps make one collective
+            (`gradient_accumulation_steps`, or AGN's `local_steps`).
+        variables: the variables whose gradients or commits travel.
+
+    Returns:
+        A list of `Setting`s, in the order workers compare them.
+    """
+    window_name, steps = window
+    shapes = [(tuple(v.shape), str(v.dtype)) for v in variables]
+    return [
+        _method_setting("aggregation_method", method),
+        *compression_settings(compressor),
+        Setting(window_name, steps or 0, str),
+        Setting("trainable variables", len(shapes), str),
+        Setting("trainable variable shapes and dtypes", _crc(shapes), _code_text),
+    ]
 
 
 def _tf_agn_version():
@@ -75,54 +152,41 @@ def _tf_agn_version():
     return tf_agn.__version__
 
 
-def settings_codes(ops, devices):
-    """What this worker's collectives depend on, one int per `FIELDS` entry."""
-    return [encode(ops, devices) for encode, _ in FIELDS.values()]
-
-
-def disagreement(codes_per_worker):
-    """The first field on which workers disagree, described, or None.
+def disagreement(settings, codes_per_worker, subject="strategy"):
+    """The first setting on which workers disagree, described, or None.
 
     Args:
-        codes_per_worker: one list of `settings_codes` per worker, in
+        settings: this worker's `Setting`s, for their names and how to show
+            their codes.
+        codes_per_worker: each worker's codes of the same settings, in
             worker order.
+        subject: what every worker must build alike, for the message.
 
     Returns:
         None if every worker has the same codes, else a message naming the
-        field and the value of each worker that differs from worker 0's.
+        setting and the value of each worker that differs from worker 0's.
     """
     first = codes_per_worker[0]
-    for position, (name, (_, show)) in enumerate(FIELDS.items()):
+    for position, setting in enumerate(settings):
         values = [codes[position] for codes in codes_per_worker]
         if any(value != first[position] for value in values):
             described = ", ".join(
-                f"worker {worker} has {show(value)}" for worker, value in enumerate(values)
+                f"worker {worker} has {setting.show(value)}"
+                for worker, value in enumerate(values)
             )
             return (
-                f"Workers disagree on {name}: {described}. Every worker must "
-                "build its strategy with the same settings (the same program "
-                "and tf_agn release on each)."
+                f"Workers disagree on {setting.name}: {described}. Every "
+                f"worker must build its {subject} with the same settings (the "
+                "same program and tf_agn release on each)."
             )
     return None
 
 
-def check_agreement(ops, devices, timeout_seconds):
-    """Raises on every worker unless all build `ops` alike.
+def _check(settings, ops, devices, timeout_seconds, subject):
+    """All-gathers every worker's codes of `settings`; raises if they differ.
 
     Every local replica of every worker takes part in one all-gather, so
-    the call returns only when all workers have made it; call it on every
-    worker at the same point (`multi_worker_mirrored` does).
-
-    Args:
-        ops: this worker's `AggregatingAllReduce`.
-        devices: this worker's replica devices.
-        timeout_seconds: how long to wait for the other workers.
-
-    Raises:
-        ValueError: naming the first field the workers disagree on and each
-            worker's value.
-        TimeoutError: if some worker does not take part within
-            `timeout_seconds`.
+    the call returns only when all workers have made it.
     """
     devices = tuple(devices)
     group = collective.collective_group(
@@ -130,7 +194,7 @@ def check_agreement(ops, devices, timeout_seconds):
         group_size=len(devices) * ops.num_workers,
         first_replica=ops.worker_index * len(devices),
     )
-    codes = settings_codes(ops, devices)
+    codes = [setting.code for setting in settings]
     options = tf.distribute.experimental.CommunicationOptions(
         timeout_seconds=timeout_seconds,
         implementation=collective.default_implementation(devices),
@@ -147,12 +211,74 @@ def check_agreement(ops, devices, timeout_seconds):
         gathered = exchange()[0].numpy()
     except tf.errors.DeadlineExceededError:
         raise TimeoutError(
-            f"Not every worker checked its settings within {timeout_seconds} s: "
-            "a worker failed after connecting, or runs an older tf_agn that "
-            "does not check. Collectives of this process are aborted; restart "
-            "every worker."
+            f"Not every worker checked its {subject} settings within "
+            f"{timeout_seconds} s: a worker failed after connecting, or runs "
+            "an older tf_agn that does not check. Collectives of this process "
+            "are aborted; restart every worker."
         ) from None
     per_worker = [list(gathered[r]) for r in range(0, group.size, len(devices))]
-    message = disagreement(per_worker)
+    message = disagreement(settings, per_worker, subject)
     if message:
         raise ValueError(message)
+
+
+def check_agreement(ops, devices, timeout_seconds):
+    """Raises on every worker unless all build `ops` alike.
+
+    Call it on every worker at the same point (`multi_worker_mirrored`
+    does, once the strategy exists).
+
+    Args:
+        ops: this worker's `AggregatingAllReduce`.
+        devices: this worker's replica devices.
+        timeout_seconds: how long to wait for the other workers.
+
+    Raises:
+        ValueError: naming the first setting the workers disagree on and
+            each worker's value.
+        TimeoutError: if some worker does not take part within
+            `timeout_seconds`.
+    """
+    _check(strategy_settings(ops, devices), ops, devices, timeout_seconds, "strategy")
+
+
+def check_optimizer_agreement(optimizer, method, compressor, window, variables):
+    """Raises on every worker unless all build `optimizer` alike.
+
+    tf_agn's optimizers call it first thing in `build`, before they create
+    any variable: `MultiWorkerMirroredStrategy` broadcasts each new
+    variable's initial value from the chief, so workers that create
+    different variables (int8's residuals on one, PowerSGD's Q on another)
+    would otherwise fail in a broadcast with TensorFlow's "tasks are
+    unhealthy", or hang. It runs eagerly even when Keras builds the
+    optimizer while tracing the train step: instance keys are drawn when a
+    collective runs, so the keys of the check and of the step stay matched
+    on every worker. Under a strategy without tf_agn's ops, or on one
+    worker, it does nothing.
+
+    It waits as long as the strategy's collectives do (`timeout_seconds`
+    of its `AggregatingAllReduce`: by default, for ever), as the variable
+    broadcasts after it would.
+
+    Args:
+        optimizer: the tf_agn optimizer being built.
+        method, compressor, window, variables: see `optimizer_settings`.
+
+    Raises:
+        ValueError: naming the first setting the workers disagree on and
+            each worker's value.
+        TimeoutError: if some worker does not take part within the ops'
+            `timeout_seconds`.
+    """
+    strategy = _compat.creation_strategy(optimizer)
+    ops = tf_agn_ops(strategy)
+    if ops is None or ops.num_workers == 1:
+        return
+    with tf.init_scope():
+        _check(
+            optimizer_settings(method, compressor, window, variables),
+            ops,
+            strategy.extended.worker_devices,
+            ops.options.timeout_seconds,
+            "optimizer and model",
+        )

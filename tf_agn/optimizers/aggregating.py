@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
@@ -129,6 +130,13 @@ class Aggregating:
         if self.built:
             return
         check_strategy(self)
+        agreement.check_optimizer_agreement(
+            self,
+            self.resolved_aggregation,
+            self.resolved_compression,
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            variables,
+        )
         super().build(variables)
         self._communication = CommunicationCounter(self)
         # With NONE nothing travels, so nothing is compressed or kept.

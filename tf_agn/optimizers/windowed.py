@@ -6,6 +6,7 @@ from keras import ops
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
@@ -165,6 +166,13 @@ class WindowedOptimizer(DistributedOptimizer):
                 "model, dataset_fn, ...), not through model.fit or "
                 "optimizer.apply."
             )
+        agreement.check_optimizer_agreement(
+            self,
+            self.aggregation,
+            self.resolved_compression,
+            ("local_steps", self.local_steps),
+            var_list,
+        )
         super().build(var_list)
         # An initializer rather than an assign: Keras may build the
         # optimizer while tracing the train step, where an assign would only
