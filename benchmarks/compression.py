@@ -87,7 +87,8 @@ d. `int8`'s fit step takes at most `MAX_INT8_TO_FP16` times `fp16`'s;
 e. every model: `int8`'s accuracy is at most `MAX_INT8_ACCURACY_DROP`
    points below `ours`.
 
-Usage (the first takes ~9 minutes on 2 busy CPU cores; the second, a
+Usage (the first takes ~18 minutes on 2 busy CPU cores, half of it the
+convergence part; the second, a
 smoke run, under a minute, most of it start-up and tracing):
 
     python benchmarks/compression.py
