@@ -295,7 +295,9 @@ with LocalCluster(num_workers=1, num_ps=1, mode="processes") as cluster:
 
 
 @pytest.mark.parametrize(
-    "signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"]
+    "signum",
+    [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL],
+    ids=["SIGINT", "SIGKILL"],
 )
 def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
     script = tmp_path / "cluster_script.py"

@@ -6,6 +6,7 @@ tests/test_error_feedback.py; across worker processes in
 tests/test_multi_worker.py.
 """
 
+import functools
 import os
 import re
 
@@ -58,7 +59,18 @@ def per_replica_state(model, kinds=("_residual", "_powersgd_q")):
     ]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@functools.cache
+def uncompressed_fit(transport):
+    """Uncompressed SGD's loss history and `communication_stats` after 5
+    epochs on `transport`: computed once per test process."""
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES, transport=transport)
+    plain = build(strategy, lambda: tf_agn.optimizers.SGD(0.1))
+    return fit(plain, 5).history["loss"], plain.optimizer.communication_stats()
+
+
+@pytest.mark.parametrize(
+    "transport", [pytest.param("local", marks=pytest.mark.slow), "collective"]
+)
 @pytest.mark.parametrize(
     "compressor, bytes_ratio",
     [("int8", 0.26), (compression.PowerSGD(rank=2), 0.3)],
@@ -66,13 +78,11 @@ def per_replica_state(model, kinds=("_residual", "_powersgd_q")):
 )
 def test_fit_trains_as_uncompressed_with_fewer_bytes(transport, compressor, bytes_ratio):
     strategy = tf_agn.strategies.mirrored(devices=DEVICES, transport=transport)
-    plain = build(strategy, lambda: tf_agn.optimizers.SGD(0.1))
     compressed = build(strategy, lambda: tf_agn.optimizers.SGD(0.1, compression=compressor))
-    plain_loss = fit(plain, 5).history["loss"]
+    plain_loss, plain_stats = uncompressed_fit(transport)
     loss = fit(compressed, 5).history["loss"]
     assert loss[-1] < 0.5 * loss[0]
     np.testing.assert_allclose(loss[-1], plain_loss[-1], rtol=0.02)
-    plain_stats = plain.optimizer.communication_stats()
     stats = compressed.optimizer.communication_stats()
     assert stats["all_reduce_calls"] == plain_stats["all_reduce_calls"] == 5 * 8
     assert stats["bytes_sent"] < bytes_ratio * plain_stats["bytes_sent"]
@@ -131,7 +141,10 @@ def test_accumulation_compresses_the_window_once(compressor):
     "compressor, atol",
     # PowerSGD's result depends on the replicas' residuals only through
     # their sum, which loading keeps; int8 rounds each replica's own.
-    [(compression.PowerSGD(rank=2), 1e-5), ("int8", 2e-3)],
+    [
+        (compression.PowerSGD(rank=2), 1e-5),
+        pytest.param("int8", 2e-3, marks=pytest.mark.slow),
+    ],
     ids=["powersgd", "int8"],
 )
 def test_keras_file_mid_training_then_training_on(tmp_path, compressor, atol):

@@ -191,6 +191,7 @@ def test_mlp_layer_sizes():
 MNIST_PARAMETER_SERVER = os.path.join(ROOT, "examples", "mnist_parameter_server.py")
 
 
+@pytest.mark.slow
 def test_mnist_parameter_server_agn_reaches_ninety_percent():
     # 4 asynchronous workers, AGN(Adam, λ = 10), batch 32: measured 0.924
     # after 10 epochs (0.903 after 5, 0.916 after 8).

@@ -51,6 +51,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_launch_runs_the_command_as_coordinator_and_passes_its_exit_code(tmp_path):
     script = tmp_path / "coordinator.py"
     script.write_text(COORDINATOR_SCRIPT)
@@ -180,6 +181,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MNIST_MIRRORED = str(ROOT / "examples" / "mnist_mirrored.py")
 
 
+@pytest.mark.slow
 def test_launch_multi_worker_trains_the_example_across_two_processes():
     result = subprocess.run(
         [

@@ -67,7 +67,13 @@ def _run_cluster(workdir, num_workers):
     return run_workers(WORKER_SCRIPT, [inputs, model], workdir, num_workers, TIMEOUT_S)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}_workers")
+# The 3-worker cluster runs with the slow tests (in CI, not in the README's
+# quick command).
+@pytest.fixture(
+    scope="module",
+    params=[2, pytest.param(3, marks=pytest.mark.slow)],
+    ids=lambda n: f"{n}_workers",
+)
 def cluster(request, tmp_path_factory):
     """(num_workers, every worker's results)."""
     num_workers = request.param

@@ -32,7 +32,7 @@ def run_scenario(name, *args, returncode=0, timeout=300):
     "num_ps, compression, bytes_per_commit",
     [
         (1, "none", (10 + 2) * 4),
-        (2, "none", (10 + 2) * 4),
+        pytest.param(2, "none", (10 + 2) * 4, marks=pytest.mark.slow),
         # int8: a code per element and one float32 scale per variable.
         (1, "int8", 10 + 4 + 2 + 4),
     ],
@@ -70,6 +70,7 @@ def test_fit_runs_keras_callbacks_validation_and_staleness(tmp_path):
     assert sum(result["staleness_counts"]) == 8
 
 
+@pytest.mark.slow
 def test_a_killed_worker_loses_no_commit():
     result, _ = run_scenario("killed_worker")
     # Exactly once: every scheduled window applied once, none twice.
