@@ -70,7 +70,6 @@ def test_fit_runs_keras_callbacks_validation_and_staleness(tmp_path):
     assert sum(result["staleness_counts"]) == 8
 
 
-@pytest.mark.slow
 def test_a_killed_worker_loses_no_commit():
     result, _ = run_scenario("killed_worker")
     # Exactly once: every scheduled window applied once, none twice.

@@ -368,7 +368,6 @@ def _writes(workdir, task):
         return [tuple(json.loads(line)) for line in f]
 
 
-@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
     code, output = _launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
