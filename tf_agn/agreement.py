@@ -200,15 +200,20 @@ def _check(settings, ops, devices, timeout_seconds, subject):
         implementation=collective.default_implementation(devices),
     )
 
-    @tf.function(autograph=False)
-    def exchange():
-        return [
-            group.all_gather(replica, tf.constant([codes], tf.int64), options)
-            for replica in range(len(devices))
-        ]
+    def exchange(values):
+        """Every replica's `values`, gathered in replica order."""
+
+        @tf.function(autograph=False)
+        def gather():
+            return [
+                group.all_gather(replica, tf.constant([values], tf.int64), options)
+                for replica in range(len(devices))
+            ]
+
+        return gather()[0].numpy()
 
     try:
-        gathered = exchange()[0].numpy()
+        gathered = exchange(codes)
     except tf.errors.DeadlineExceededError:
         raise TimeoutError(
             f"Not every worker checked its {subject} settings within "
@@ -219,6 +224,15 @@ def _check(settings, ops, devices, timeout_seconds, subject):
     per_worker = [list(gathered[r]) for r in range(0, group.size, len(devices))]
     message = disagreement(settings, per_worker, subject)
     if message:
+        # A collective's receivers pull their data from the senders, so a
+        # worker that raised and exited at once could take with it what a
+        # slower peer had still to fetch: that peer would fail with "Socket
+        # closed" instead of this message. No worker finishes one more
+        # exchange before every worker has finished the first.
+        try:
+            exchange([0])
+        except tf.errors.OpError:
+            pass  # A peer left after the first exchange; this one has it too.
         raise ValueError(message)
 
 

@@ -130,20 +130,19 @@ class Aggregating:
         if self.built:
             return
         check_strategy(self)
+        method = self.resolved_aggregation
+        # With NONE nothing travels, so nothing is compressed or kept.
+        compressor = None if method is AggregationMethod.NONE else self.resolved_compression
         agreement.check_optimizer_agreement(
             self,
-            self.resolved_aggregation,
-            self.resolved_compression,
+            method,
+            compressor,
             ("gradient_accumulation_steps", self.gradient_accumulation_steps),
             variables,
         )
         super().build(variables)
         self._communication = CommunicationCounter(self)
-        # With NONE nothing travels, so nothing is compressed or kept.
-        sends = self.resolved_aggregation is not AggregationMethod.NONE
-        self._compression_state = add_compression_state(
-            self, variables, self.resolved_compression if sends else None
-        )
+        self._compression_state = add_compression_state(self, variables, compressor)
 
     def compression_arguments(self, variables):
         """What `aggregate` takes to compress the gradients of `variables`:
