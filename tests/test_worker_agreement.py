@@ -158,7 +158,9 @@ def test_disagreement_names_the_first_differing_field_and_every_value():
     assert agreement._version_text(agreement._version_code("1.23.4")) == "1.23.4"
 
 
-def optimizer_codes(compression=None, accumulation=None, units=4):
+def settings_of(compression=None, accumulation=None, units=4):
+    """The settings of an optimizer training a Dense(units) layer's kernel
+    and bias, as a worker would compare them."""
     variables = [tf.Variable(tf.zeros((8, units))), tf.Variable(tf.zeros((units,)))]
     return agreement.optimizer_settings(
         tf_agn.AggregationMethod.MEAN,
@@ -183,13 +185,13 @@ def optimizer_codes(compression=None, accumulation=None, units=4):
     ids=["compressor", "its_rank", "accumulation", "shapes"],
 )
 def test_optimizer_disagreement_names_what_differs(differs, named, shown):
-    settings = optimizer_codes(compression=tf_agn.compression.PowerSGD(rank=1))
+    settings = settings_of(compression=tf_agn.compression.PowerSGD(rank=1))
     first = codes(settings)
-    again = codes(optimizer_codes(compression=tf_agn.compression.PowerSGD(rank=1)))
+    again = codes(settings_of(compression=tf_agn.compression.PowerSGD(rank=1)))
     assert agreement.disagreement(settings, [first, again]) is None
     other = {"compression": tf_agn.compression.PowerSGD(rank=1), **differs}
     message = agreement.disagreement(
-        settings, [first, codes(optimizer_codes(**other))], "optimizer and model"
+        settings, [first, codes(settings_of(**other))], "optimizer and model"
     )
     assert message.startswith(f"Workers disagree on {named}: worker 0 has ")
     assert shown in message
