@@ -44,6 +44,13 @@ next step instead of losing it. Three parts measure the three sides:
    all-reduce that waits for them; every process of the network namespace
    counts, so keep other localhost traffic off the machine).
 
+   Loopback copies memory: sending is nearly free there, so the bytes a
+   compressor saves are worth little. With `--link_mbit`, each worker
+   sends through a link of that many Mbit/s instead, as between machines
+   on Ethernet (`shaped_link.py`: Linux traffic control on loopback; root
+   and 2 workers), and the run prints the share of loopback bytes that
+   went through the links.
+
 2. **Codec** (`codec`): what each compressor's own arithmetic costs, the
    side of the trade that the fit step cannot separate from sending:
    every worker runs, on one replica's gradients of the speed part's MLP,
@@ -88,15 +95,18 @@ e. every model: `int8`'s accuracy is at most `MAX_INT8_ACCURACY_DROP`
    points below `ours`.
 
 Usage (the first takes ~18 minutes on 2 busy CPU cores, half of it the
-convergence part; the second, a
-smoke run, under a minute, most of it start-up and tracing):
+convergence part; the second times the fit step and codec between workers
+on 1 Gbit/s Ethernet, as root; the third, a smoke run, under a minute,
+most of it start-up and tracing):
 
     python benchmarks/compression.py
+    python benchmarks/compression.py --link_mbit=1000 --parts=speed,codec
     python benchmarks/compression.py --hidden_units=16 \
         --convergence_hidden_units=16 --steps=2 --warmup_steps=1 \
         --repeats=1 --byte_calls=1 --convergence_steps=3 --convergence_seeds=1
 """
 
+import contextlib
 import datetime
 import gc
 import json
@@ -113,6 +123,7 @@ import tensorflow as tf  # noqa: E402
 
 import allreduce  # noqa: E402  (benchmarks/allreduce.py: shapes, rounds, verdicts)
 import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
+import shaped_link  # noqa: E402  (benchmarks/shaped_link.py)
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
@@ -184,6 +195,13 @@ flags.DEFINE_list(
     ["1024", "1024"],
     "The convergence part's MLP's hidden layer widths (the speed part's "
     "MLP would take ~30 minutes here).",
+)
+flags.DEFINE_integer(
+    "link_mbit",
+    0,
+    "If > 0, each worker's sends go through a loopback link of this many "
+    "Mbit/s (benchmarks/shaped_link.py; needs root and tc, and 2 workers), "
+    "as between machines on Ethernet; 0 sends at loopback's full speed.",
 )
 # multi_worker_allreduce.py's flags: --num_workers, and --byte_calls (here
 # fit steps); allreduce.py's --repeats. Their other flags do not apply.
@@ -331,17 +349,22 @@ def install(strategy, name, ops):
 
 def loopback_per_step(model, dataset, sync):
     """Loopback bytes per fit step, all workers together, over
-    `--byte_calls` steps of `model`.
+    `--byte_calls` steps of `model`: all of them, and those that went
+    through the shaped links (0 without `--link_mbit`).
 
     Returns:
-        Bytes per step, a float.
+        `(bytes, shaped_bytes)` per step, floats.
     """
-    start = multi_worker_allreduce.loopback_bytes_sent()
+    counters = [multi_worker_allreduce.loopback_bytes_sent]
+    if FLAGS.link_mbit:
+        counters.append(shaped_link.shaped_bytes)
+    start = [count() for count in counters]
     fit(model, dataset, FLAGS.byte_calls)
     # When the scalar all-reduce returns, every worker has received the
     # steps' bytes.
     sync().numpy()
-    return (multi_worker_allreduce.loopback_bytes_sent() - start) / FLAGS.byte_calls
+    sent = [(count() - s) / FLAGS.byte_calls for count, s in zip(counters, start)]
+    return sent[0], (sent[1] if FLAGS.link_mbit else 0.0)
 
 
 def bytes_sent(model):
@@ -397,10 +420,10 @@ def run_speed(strategy, ops, verdicts, say):
         for name, before in sent_before.items()
     }
     sync = multi_worker_allreduce.sync_fn(strategy)
-    wire = {}
+    wire, shaped = {}, {}
     for name in names:
         install(strategy, name, ops)
-        wire[name] = loopback_per_step(models[name], dataset, sync)
+        wire[name], shaped[name] = loopback_per_step(models[name], dataset, sync)
     models.clear()  # frees every candidate before the next part
     gc.collect()
     seconds = {name: np.array(s) for name, s in samples.items()}
@@ -423,6 +446,11 @@ def run_speed(strategy, ops, verdicts, say):
         f"  ({STOCK}'s float32 gradients are {4 * num_params:,} bytes per "
         "replica; Keras's optimizer keeps no count.)"
     )
+    if FLAGS.link_mbit:
+        say(
+            f"  {sum(shaped.values()) / sum(wire.values()):.1%} of those loopback bytes "
+            f"went through the workers' {FLAGS.link_mbit} Mbit/s links."
+        )
     verdicts.add(
         1,
         allreduce._ratio(seconds[POWERSGD], seconds[FLOOR]),
@@ -722,6 +750,13 @@ def worker_main():
     """One worker's run: builds the strategy, runs the parts, and on the
     chief prints the header, tables and verdicts."""
     tf.get_logger().setLevel("ERROR")
+    if FLAGS.link_mbit:
+        # Before the strategy starts this worker's server, so that all it
+        # sends goes through its link.
+        tf_config = json.loads(os.environ["TF_CONFIG"])
+        index = tf_config["task"]["index"]
+        port = int(tf_config["cluster"]["worker"][index].rpartition(":")[2])
+        shaped_link.limit_port(index, port, FLAGS.link_mbit)
     strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy()
     is_chief = int(strategy.cluster_resolver.task_id) == 0
     say = print if is_chief else (lambda *args, **kwargs: None)
@@ -737,7 +772,13 @@ def worker_main():
         f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
         f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica "
         f"each; {STOCK}: {allreduce.describe_stock(strategy)}; {FLAGS.repeats} "
-        f"rounds; loopback bytes over {FLAGS.byte_calls} steps"
+        f"rounds; loopback bytes over {FLAGS.byte_calls} steps\n"
+        + (
+            f"each worker sends through a {FLAGS.link_mbit} Mbit/s link (loopback "
+            "shaped by tc)"
+            if FLAGS.link_mbit
+            else "loopback at full speed (no link limits what workers send)"
+        )
     )
     verdicts = Verdicts()
     if "bytes" in FLAGS.parts and is_chief:
@@ -765,6 +806,15 @@ def check_flags():
                 )
     if FLAGS.num_workers < 2:
         raise app.UsageError(f"--num_workers must be >= 2; received {FLAGS.num_workers}.")
+    if FLAGS.link_mbit < 0:
+        raise app.UsageError(f"--link_mbit must be >= 0; received {FLAGS.link_mbit}.")
+    if FLAGS.link_mbit and FLAGS.num_workers > 2:
+        raise app.UsageError(
+            "--link_mbit limits what each worker sends, not what it receives: "
+            f"with --num_workers={FLAGS.num_workers}, int8's all-to-all would "
+            "receive from several peers at once faster than a real link allows. "
+            "Use --num_workers=2."
+        )
     if FLAGS.convergence_seeds < 1:
         raise app.UsageError(
             f"--convergence_seeds must be >= 1; received {FLAGS.convergence_seeds}."
@@ -778,7 +828,8 @@ def main(argv):
         # Every worker runs this command again, with TF_CONFIG; run_workers
         # stops them all when one fails, and on Ctrl-C.
         command = [sys.executable, *sys.argv]
-        sys.exit(launch.run_workers(command, FLAGS.num_workers))
+        with shaped_link.installed() if FLAGS.link_mbit else contextlib.nullcontext():
+            sys.exit(launch.run_workers(command, FLAGS.num_workers))
     json.loads(os.environ["TF_CONFIG"])  # a clear error if it is not JSON
     worker_main()
 
