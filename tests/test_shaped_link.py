@@ -39,7 +39,21 @@ def test_parse_class_bytes_reads_every_class():
     }
 
 
-def _tc_allowed():
+@pytest.fixture
+def tc_allowed():
+    """Skips the test unless this process may shape loopback.
+
+    Justified skip: changing loopback's queueing needs root with
+    CAP_NET_ADMIN and iproute2's `tc`, which a user's machine or a CI
+    container may not give; without them `--link_mbit` raises (as the
+    skip's reason shows) and there is nothing to test.
+    """
+    reason = _why_tc_is_not_allowed()
+    if reason:
+        pytest.skip(f"shaping loopback is not allowed here: {reason}")
+
+
+def _why_tc_is_not_allowed():
     """None if this process may shape loopback, else why not."""
     if shutil.which("tc") is None:
         return "tc (iproute2) is not installed"
@@ -73,10 +87,7 @@ def _send_from(port, nbytes):
     return sum(received)
 
 
-def test_a_limited_port_sends_through_its_link_and_remove_restores_loopback():
-    reason = _tc_allowed()
-    if reason:
-        pytest.skip(f"shaping loopback is not allowed here: {reason}")
+def test_a_limited_port_sends_through_its_link_and_remove_restores_loopback(tc_allowed):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -95,10 +106,7 @@ def test_a_limited_port_sends_through_its_link_and_remove_restores_loopback():
     assert shaped_link.HANDLE not in shown
 
 
-def test_limit_port_without_install_names_what_to_do():
-    reason = _tc_allowed()
-    if reason:
-        pytest.skip(f"shaping loopback is not allowed here: {reason}")
+def test_limit_port_without_install_names_what_to_do(tc_allowed):
     with pytest.raises(RuntimeError, match="without TF_CONFIG"):
         shaped_link.limit_port(0, 12345, 1000)
 
