@@ -12,7 +12,7 @@ Compression shrinks what the gradient all-reduce sends, at the price of
 encoding work on every replica (a cast for fp16, quantization for int8,
 two small matrix products and a Gram-Schmidt per matrix for PowerSGD) and
 of error in the applied gradient, which error feedback carries into the
-next step instead of losing it. Three parts measure the three sides:
+next step instead of losing it. Four parts measure these sides:
 
 1. **Speed** (`fit step`): one `model.fit` step of a communication-bound
    MLP (784-`--hidden_units`-10, by default 784-4096-4096-1024-10, 24.2M
@@ -355,16 +355,14 @@ def loopback_per_step(model, dataset, sync):
     Returns:
         `(bytes, shaped_bytes)` per step, floats.
     """
-    counters = [multi_worker_allreduce.loopback_bytes_sent]
-    if FLAGS.link_mbit:
-        counters.append(shaped_link.shaped_bytes)
-    start = [count() for count in counters]
+    shaped = shaped_link.shaped_bytes if FLAGS.link_mbit else (lambda: 0)
+    start = multi_worker_allreduce.loopback_bytes_sent(), shaped()
     fit(model, dataset, FLAGS.byte_calls)
     # When the scalar all-reduce returns, every worker has received the
     # steps' bytes.
     sync().numpy()
-    sent = [(count() - s) / FLAGS.byte_calls for count, s in zip(counters, start)]
-    return sent[0], (sent[1] if FLAGS.link_mbit else 0.0)
+    end = multi_worker_allreduce.loopback_bytes_sent(), shaped()
+    return tuple((e - s) / FLAGS.byte_calls for s, e in zip(start, end))
 
 
 def bytes_sent(model):
