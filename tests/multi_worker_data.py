@@ -32,6 +32,11 @@ def large_values(replica):
     return (base * (replica + 1) + replica).astype(np.float32)
 
 
+# The endings of the names of compression state variables: int8's
+# residual; PowerSGD's Q and the factors of its residual.
+COMPRESSION_STATE = ("_residual", "_powersgd_q", "_powersgd_m", "_powersgd_p", "_powersgd_local_q")
+
+
 def stateful_compressors():
     """The compressors the workers train with, by name, each new: int8 in
     chunks small enough for the test MLP, PowerSGD on its 3x4 and 4x2

@@ -77,6 +77,7 @@ import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn.replica_aggregation import tf_agn_ops  # noqa: E402
+from multi_worker_data import COMPRESSION_STATE  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
 from multi_worker_data import SHAPES  # noqa: E402
 from multi_worker_data import large_values  # noqa: E402
@@ -230,11 +231,11 @@ def main(inputs_path, model_path, out_dir):
             lambda: tf_agn.optimizers.SGD(learning_rate, compression=stateful_compressors()[name]),
             f"compressed/{name}",
         )
-        residuals = [v for v in model.optimizer.variables if v.path.endswith("_residual")]
-        for i, variable in enumerate(residuals):
+        state = [v for v in model.optimizer.variables if v.path.endswith(COMPRESSION_STATE)]
+        for i, variable in enumerate(state):
             # This replica's own copy: a read across replicas is their mean.
             (local,) = strategy.experimental_local_results(variable.value)
-            result[f"compressed/{name}/residual/{i}"] = local.numpy()
+            result[f"compressed/{name}/state/{i}"] = local.numpy()
 
     write_results(out_dir, task_index, result)
     log("wrote the results")

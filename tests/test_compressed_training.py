@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from multi_worker_data import COMPRESSION_STATE
 from tf_agn import compression
 
 TRANSPORTS = ["local", "collective"]
@@ -49,7 +50,7 @@ def fit(model, epochs, **kwargs):
     return model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False, **kwargs)
 
 
-def per_replica_state(model, kinds=("_residual", "_powersgd_q")):
+def per_replica_state(model, kinds=COMPRESSION_STATE):
     """Every replica's copy of every compression state variable, in order."""
     strategy = model.distribute_strategy
     return [
@@ -91,8 +92,8 @@ def test_fit_trains_as_uncompressed_with_fewer_bytes(transport, compressor, byte
         copies = strategy.experimental_local_results(weight.value)
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
-    # Each replica keeps its own residual.
-    (first, *_) = per_replica_state(compressed, "_residual")
+    # Each replica keeps its own residual (PowerSGD: its own M).
+    (first, *_) = per_replica_state(compressed, ("_residual", "_powersgd_m"))
     assert not np.array_equal(first[0], first[1])
 
 
@@ -109,9 +110,12 @@ def test_the_state_follows_keras_own_variables():
     assert names(model.optimizer)[: len(keras_names)] == keras_names
     # Both kernels are compressed at rank 1 (64x3 gains 192/67 > 2x);
     # biases travel whole.
+    # The residual is kept as its factors M, P^ and this replica's Q.
     assert names(model.optimizer)[len(keras_names) :] == [
+        "sequential_dense_kernel_powersgd_local_q",
+        "sequential_dense_kernel_powersgd_m",
+        "sequential_dense_kernel_powersgd_p",
         "sequential_dense_kernel_powersgd_q",
-        "sequential_dense_kernel_residual",
     ] * 2
 
 
@@ -140,7 +144,9 @@ def test_accumulation_compresses_the_window_once(compressor):
 @pytest.mark.parametrize(
     "compressor, atol",
     # PowerSGD's result depends on the replicas' residuals only through
-    # their sum, which loading keeps; int8 rounds each replica's own.
+    # their sum, which loading keeps (the residual is linear in its
+    # factors, and P^ is the same on every replica); int8 rounds each
+    # replica's own.
     [
         (compression.PowerSGD(rank=2), 1e-5),
         pytest.param("int8", 2e-3, marks=pytest.mark.slow),
@@ -216,7 +222,8 @@ def test_distributed_optimizer_trains_compressed():
     )
     loss = fit(model, 3).history["loss"]
     assert loss[-1] < 0.7 * loss[0]
-    assert len(per_replica_state(model)) == 2
+    # One kernel is compressed at rank 2: its Q and its residual's factors.
+    assert len(per_replica_state(model)) == 4
 
 
 def test_compression_under_other_cross_device_ops_is_refused_clearly():
@@ -290,7 +297,7 @@ def test_agn_trains_with_compressed_commits_and_round_trips():
     assert again.commit_compression.get_config() == compression.PowerSGD(rank=2).get_config()
     # Only the commits carry compression state; the local steps send nothing.
     inner_paths = [v.path for v in model.optimizer.inner_optimizer.variables]
-    assert not any(p.endswith(("_residual", "_powersgd_q")) for p in inner_paths)
+    assert not any(p.endswith(COMPRESSION_STATE) for p in inner_paths)
 
 
 def test_values_a_compressor_does_not_act_on_get_no_state():

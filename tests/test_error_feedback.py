@@ -21,8 +21,11 @@ from error_feedback_reference import powersgd_reference
 from error_feedback_reference import quantize_roundtrip
 from tf_agn import compression
 from tf_agn.compression import int8
+from tf_agn.compression import powersgd
 
 TRANSPORTS = ["local", "collective"]
+# The state that holds a residual: int8's whole, PowerSGD's as factors.
+RESIDUAL_STATE = ("residual", "powersgd_m", "powersgd_p", "powersgd_local_q")
 SHAPES = [(40, 30), (30,), (7, 5, 3)]
 
 
@@ -42,8 +45,8 @@ def values_and_states(strategy, compressor, seed=0, residual_scale=0.1):
         for shape in SHAPES:
             state = {}
             for name, spec in compressor.state_spec(tf.TensorShape(shape)).items():
-                if name == "residual":
-                    state[name] = (rng.normal(size=shape) * residual_scale).astype(np.float32)
+                if name in RESIDUAL_STATE:
+                    state[name] = (rng.normal(size=spec.shape) * residual_scale).astype(np.float32)
                 else:
                     state[name] = spec.initializer(spec.shape, tf.float32).numpy()
             replica.append(state)
@@ -54,6 +57,18 @@ def values_and_states(strategy, compressor, seed=0, residual_scale=0.1):
         for i in range(len(SHAPES))
     ]
     return arrays, state_arrays, values, states
+
+
+def owed(compressor, state):
+    """`compressor.residual` of one replica's `state` (numpy arrays), as a
+    numpy array; 0 without error feedback."""
+    residual = compressor.residual({name: tf.constant(v) for name, v in state.items()})
+    return 0 if residual is None else residual.numpy()
+
+
+def replica_state(states, r):
+    """Replica r's state, from `run`'s per-replica lists."""
+    return {name: copies[r] for name, copies in states.items()}
 
 
 def run(strategy, ops, method, values, states, compressor, traced, value_scale=1.0, step=None):
@@ -158,7 +173,7 @@ def test_powersgd_one_step_matches_the_reference(transport, traced):
             continue
         rows = int(np.prod(shape[:-1]))
         matrices = [
-            (a[i] * scale + s[i]["residual"]).reshape(rows, shape[-1])
+            (a[i] * scale + owed(compressor, s[i])).reshape(rows, shape[-1])
             for a, s in zip(arrays, state_arrays)
         ]
         # The state holds Q transposed ([r, cols]); the reference, Q.
@@ -167,7 +182,9 @@ def test_powersgd_one_step_matches_the_reference(transport, traced):
         for r in range(NUM_REPLICAS):
             np.testing.assert_allclose(combined[i][r].reshape(rows, -1), want, atol=2e-5)
             np.testing.assert_allclose(
-                new_states[i]["residual"][r].reshape(rows, -1), want_residuals[r], atol=2e-5
+                owed(compressor, replica_state(new_states[i], r)).reshape(rows, -1),
+                want_residuals[r],
+                atol=2e-5,
             )
             np.testing.assert_allclose(new_states[i]["powersgd_q"][r], want_q.T, atol=2e-4)
 
@@ -180,20 +197,22 @@ def test_powersgd_is_exact_when_the_rank_reaches_the_gradients(transport):
     columns = rng.normal(size=(64, 3))  # every replica's gradient: rank 3, one column space
     arrays = [(columns @ rng.normal(size=(3, 32))).astype(np.float32) for _ in range(NUM_REPLICAS)]
     value = per_replica(strategy, arrays)
-    spec = compressor.state_spec(tf.TensorShape([64, 32]))
-    state = {
-        "residual": per_replica(strategy, [np.zeros((64, 32), np.float32)] * NUM_REPLICAS),
-        "powersgd_q": per_replica(
-            strategy, [spec["powersgd_q"].initializer((3, 32), tf.float32).numpy()] * NUM_REPLICAS
-        ),
-    }
+    state = {}
+    for name, spec in compressor.state_spec(tf.TensorShape([64, 32])).items():
+        initial = spec.initializer if callable(spec.initializer) else tf.zeros
+        state[name] = per_replica(strategy, [initial(spec.shape, tf.float32).numpy()] * NUM_REPLICAS)
     (combined,), (new_state,) = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
     for r in range(NUM_REPLICAS):
         np.testing.assert_allclose(combined[r], sum(arrays), atol=1e-4)
-        np.testing.assert_allclose(new_state["residual"][r], 0, atol=1e-4)
+        np.testing.assert_allclose(owed(compressor, replica_state(new_state, r)), 0, atol=1e-4)
     # One rank short, it is not.
     short = compression.PowerSGD(rank=2)
-    state["powersgd_q"] = per_replica(strategy, [np.ones((2, 32), np.float32)] * NUM_REPLICAS)
+    state = {
+        "powersgd_q": per_replica(strategy, [np.ones((2, 32), np.float32)] * NUM_REPLICAS),
+        "powersgd_m": state["powersgd_m"],
+        "powersgd_p": per_replica(strategy, [np.zeros((64, 2), np.float32)] * NUM_REPLICAS),
+        "powersgd_local_q": per_replica(strategy, [np.zeros((2, 32), np.float32)] * NUM_REPLICAS),
+    }
     (combined,), _ = run(strategy, ops, "sum", [value], [state], short, traced=True)
     assert np.abs(combined[0] - sum(arrays)).max() > 1e-2
 
@@ -219,16 +238,20 @@ def test_applied_updates_plus_residuals_sum_to_the_true_gradients(transport, com
             applied[i] += strategy.experimental_local_results(combined[i])[0].numpy()
             true[i] += sum(a[i] for a in arrays)
     for i in range(len(SHAPES)):
-        left = sum(t.numpy() for t in strategy.experimental_local_results(states[i]["residual"])) if "residual" in states[i] else 0
+        copies = {name: strategy.experimental_local_results(v) for name, v in states[i].items()}
+        left = sum(
+            owed(compressor, {name: c[r].numpy() for name, c in copies.items()})
+            for r in range(NUM_REPLICAS)
+        )
         np.testing.assert_allclose(applied[i] + left, true[i], atol=1e-4)
-        if "residual" in states[i]:
+        if states[i]:
             assert np.abs(left).max() > 1e-3  # something was dropped, and kept
 
 
 def test_without_error_feedback_what_is_dropped_is_lost():
     strategy, ops = strategy_for("local")
     compressor = compression.PowerSGD(rank=1, error_feedback=False)
-    assert "residual" not in compressor.state_spec(tf.TensorShape([40, 30]))
+    assert list(compressor.state_spec(tf.TensorShape([40, 30]))) == ["powersgd_q"]
     _, _, values, states = values_and_states(strategy, compressor)
     arrays, _, _, _ = values_and_states(strategy, compressor)
     combined, _ = run(strategy, ops, "sum", values, states, compressor, traced=False)
@@ -239,17 +262,75 @@ def test_without_error_feedback_what_is_dropped_is_lost():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_non_finite_value_leaves_the_state_alone(transport):
+@pytest.mark.parametrize(
+    "compressor",
+    [compression.Int8(chunk_size=16), compression.PowerSGD(rank=2, min_compression_rate=1)],
+    ids=["int8", "powersgd"],
+)
+def test_a_non_finite_value_leaves_the_state_alone(transport, compressor):
     strategy, ops = strategy_for(transport)
-    compressor = compression.Int8(chunk_size=16)
     arrays, state_arrays, _, states = values_and_states(strategy, compressor)
     arrays[2][0][0, 0] = np.nan
     values = [per_replica(strategy, [a[i] for a in arrays]) for i in range(len(SHAPES))]
     combined, new_states = run(strategy, ops, "sum", values, states, compressor, traced=True)
     assert not np.isfinite(combined[0][0]).all()
     for i in range(len(SHAPES)):
-        for r in range(NUM_REPLICAS):
-            np.testing.assert_array_equal(new_states[i]["residual"][r], state_arrays[r][i]["residual"])
+        for name, copies in new_states[i].items():
+            for r in range(NUM_REPLICAS):
+                np.testing.assert_array_equal(copies[r], state_arrays[r][i][name])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("magnitude", [1e20, 1e36])
+def test_powersgd_results_too_large_for_float32_are_not_finite(transport, magnitude):
+    """PowerSGD decides finiteness from its small buffers, not its results.
+    At 1e20 the squared norms of P overflow, which orthogonalization would
+    turn into a zero update; at 1e36 P^ Q^T may leave float32. Either way
+    the results are NaN, never a finite wrong value, and the state stays."""
+    strategy, ops = strategy_for(transport)
+    compressor = compression.PowerSGD(rank=2, min_compression_rate=1)
+    arrays, state_arrays, _, states = values_and_states(strategy, compressor)
+    for replica in arrays:
+        replica[0] *= np.float32(magnitude)
+    values = [per_replica(strategy, [a[i] for a in arrays]) for i in range(len(SHAPES))]
+    combined, new_states = run(strategy, ops, "sum", values, states, compressor, traced=True)
+    for r in range(NUM_REPLICAS):
+        assert np.isnan(combined[0][r]).all() and np.isnan(combined[2][r]).all()
+        np.testing.assert_allclose(combined[1][r], sum(a[1] for a in arrays), rtol=1e-6)
+        for i in range(len(SHAPES)):
+            for name, copies in new_states[i].items():
+                np.testing.assert_array_equal(copies[r], state_arrays[r][i][name])
+
+
+def test_powersgd_finiteness_bounds_the_decoded_product():
+    """Q's entries are finite but sum, down a column, past what float32
+    holds: P^ Q^T could overflow, so the step is not finite."""
+    parts = [tf.ones([3])]
+    ps = bases = [tf.eye(4, 2)]
+    for q_value, want in ((1e37, True), (1e38, False), (np.inf, False)):
+        q = tf.fill([2, 5], np.float32(q_value))
+        assert bool(powersgd._finite(parts, ps, bases, [q])) is want, q_value
+    finite_q = [tf.ones([2, 5])]
+    assert bool(powersgd._finite(parts, ps, bases, finite_q))
+    assert not bool(powersgd._finite([tf.constant([np.nan])], ps, bases, finite_q))
+    assert not bool(powersgd._finite(parts, [tf.fill([4, 2], 1e20)], bases, finite_q))
+
+
+def test_powersgd_moderate_values_stay_finite_and_exact():
+    """The finiteness check's margin costs nothing at sizes gradients have:
+    values of 1e15 (squared norms near 1e32) still combine to the sum."""
+    strategy, ops = strategy_for("local")
+    compressor = compression.PowerSGD(rank=3, min_compression_rate=1)
+    rng = np.random.default_rng(2)
+    columns = rng.normal(size=(40, 3))
+    arrays = [(columns @ rng.normal(size=(3, 30)) * 1e15).astype(np.float32) for _ in range(NUM_REPLICAS)]
+    state = {}
+    for name, spec in compressor.state_spec(tf.TensorShape([40, 30])).items():
+        initial = spec.initializer if callable(spec.initializer) else tf.zeros
+        state[name] = per_replica(strategy, [initial(spec.shape, tf.float32).numpy()] * NUM_REPLICAS)
+    value = per_replica(strategy, arrays)
+    (combined,), _ = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
+    np.testing.assert_allclose(combined[0], sum(arrays), rtol=1e-3, atol=1e-4 * 1e15)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -262,7 +343,9 @@ def test_before_start_step_values_travel_exactly_and_the_state_waits(transport):
             strategy, ops, "sum", values, states, compressor, traced=True, step=tf.constant(step, tf.int64)
         )
         error = np.abs(combined[0][1] - sum(a[0] for a in arrays)).max()
-        moved = np.abs(new_states[0]["residual"][0] - state_arrays[0][0]["residual"]).max()
+        moved = np.abs(
+            owed(compressor, replica_state(new_states[0], 0)) - owed(compressor, state_arrays[0][0])
+        ).max()
         if exact:
             assert error < 1e-5 and moved == 0
         else:

@@ -24,6 +24,7 @@ import tf_agn
 from conftest import DEVICES
 from contract import contract_results
 from contract import reference_methods
+from multi_worker_data import COMPRESSION_STATE
 from multi_worker_data import large_values
 from multi_worker_data import replica_arrays
 from multi_worker_data import replica_slices
@@ -401,7 +402,7 @@ def test_compressed_fit_across_workers_equals_one_process(cluster, name):
     """Workers training with int8 or PowerSGD (TensorFlow's all-to-all,
     all-gather and all-reduce across processes) end where one process with
     as many replicas ends (the same arithmetic, copied within a process),
-    with the same residual on each worker as on its replica."""
+    with the same residual (and Q) on each worker as on its replica."""
     num_workers, workers = cluster
     strategy = tf_agn.strategies.mirrored(devices=DEVICES[:num_workers], transport="local")
     x, y = data(ROWS_STEPS)
@@ -412,8 +413,8 @@ def test_compressed_fit_across_workers_equals_one_process(cluster, name):
             "mse",
         )
     model.fit(x, y, batch_size=BATCH[num_workers], epochs=1, shuffle=False, verbose=0)
-    residuals = [v for v in model.optimizer.variables if v.path.endswith("_residual")]
-    assert residuals
+    state = [v for v in model.optimizer.variables if v.path.endswith(COMPRESSION_STATE)]
+    assert state
     plain = sgd_trajectory(initial_params(), x, y, "mean", num_workers, BATCH[num_workers], LEARNING_RATE)
     for index, result in enumerate(workers):
         weights = [result[f"compressed/{name}/{i}"] for i in range(len(initial_params()))]
@@ -421,8 +422,8 @@ def test_compressed_fit_across_workers_equals_one_process(cluster, name):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         # Compression changed the path: not the uncompressed one.
         assert not _close(weights, plain[index])
-        for i, variable in enumerate(residuals):
+        for i, variable in enumerate(state):
             copy = strategy.experimental_local_results(variable.value)[index].numpy()
             np.testing.assert_allclose(
-                result[f"compressed/{name}/residual/{i}"], copy, rtol=1e-5, atol=1e-6
+                result[f"compressed/{name}/state/{i}"], copy, rtol=1e-5, atol=1e-6
             )

@@ -9,7 +9,7 @@ the default of every tf_agn optimizer under that strategy):
 | None                   | 4 bytes                            | none                  |
 | "fp16", "bf16"         | 2 bytes (a cast)                   | none                  |
 | "int8", `Int8(...)`    | 1 byte, plus a scale per chunk     | a residual            |
-| `PowerSGD(rank=r)`     | (rows + cols) r floats per matrix  | a residual and Q      |
+| `PowerSGD(rank=r)`     | (rows + cols) r floats per matrix  | a residual (as M, P^, Q_w) and Q |
 
 Compression touches only what tf_agn's optimizers send through
 `AggregatingAllReduce.aggregate`: gradients, and the windowed optimizers'

@@ -13,7 +13,9 @@ lets int8 (`tf_agn.compression.Int8`) and rank-r PowerSGD
 (`tf_agn.compression.PowerSGD`) train to the accuracy of uncompressed
 training.
 
-The residuals (and PowerSGD's warm-started Q) are per-replica state. They
+The residuals (and PowerSGD's warm-started Q) are per-replica state; a
+compressor may keep a residual as factors it is cheaper to keep than to
+write out (PowerSGD does), and `residual(state)` gives it whole. They
 live with the optimizer's state, as optimizer variables: one replica-local
 variable per trainable variable and kind of state (`state_spec`), so
 `.keras` files and `tf_agn.callbacks.BackupAndRestore` save them. The
@@ -58,7 +60,9 @@ class ErrorFeedbackCompressor:
     """Base class of compressors that keep per-replica state.
 
     Subclasses set `name` and implement `state_spec`, `combine` and
-    `wire_bytes`; `tf_agn.compression.Int8` is a complete example. Values
+    `wire_bytes` (and `residual`, if they keep the residual other than as
+    a state named "residual"); `tf_agn.compression.Int8` is a complete
+    example. Values
     travel compressed only where `acts_on` their dtype (float32); the
     others travel exactly.
 
@@ -102,6 +106,18 @@ class ErrorFeedbackCompressor:
         """
         raise NotImplementedError
 
+    def residual(self, state):
+        """What a replica still owes: the part of what it sent that
+        compression dropped, which its next step sends.
+
+        Args:
+            state: one value's state, as `state_spec` describes it.
+
+        Returns:
+            A tensor of the value's shape, or None without error feedback.
+        """
+        return state.get("residual")
+
     def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
         """Sums every replica's values, compressed, and updates the state.
 
@@ -118,7 +134,12 @@ class ErrorFeedbackCompressor:
 
         Returns:
             `(combined, new_states)`, laid out like `values` and `states`:
-            every replica's `combined` is the same sum.
+            every replica's `combined` is the same sum. A compressor that
+            can tell cheaply whether that sum is finite (from the small
+            buffers it sent, say) may add a third item, for each local
+            replica a scalar boolean tensor that is True exactly where
+            every combined value is finite; else `combine_with_state` reads
+            the combined values to find out.
         """
         raise NotImplementedError
 
@@ -190,21 +211,23 @@ def combine_with_state(
     """
 
     def compressed():
-        combined, new_states = compressor.combine(
+        combined, new_states, *finite = compressor.combine(
             communicator, values, states, scales, bytes_per_pack, jit_compile
         )
+        finite = finite[0] if finite else [None] * len(combined)
         guarded = []
-        for device, replica_combined, new, old in zip(
-            communicator.devices, combined, new_states, states
+        for device, replica_combined, new, old, replica_finite in zip(
+            communicator.devices, combined, new_states, states, finite
         ):
             with tf.device(device):
-                finite = tf.reduce_all(
-                    [tf.reduce_all(tf.math.is_finite(c)) for c in replica_combined]
-                )
+                if replica_finite is None:
+                    replica_finite = tf.reduce_all(
+                        [tf.reduce_all(tf.math.is_finite(c)) for c in replica_combined]
+                    )
                 # A cond picks one of the two states whole, where an
                 # elementwise select would read both and write a copy.
                 if tf.nest.flatten(new):
-                    new = tf.cond(finite, lambda new=new: new, lambda old=old: old)
+                    new = tf.cond(replica_finite, lambda new=new: new, lambda old=old: old)
                 guarded.append(new)
         return combined, guarded
 

@@ -14,7 +14,10 @@ the columns: a Dense kernel as it is, a Conv2D kernel as
     applied = P^ Q^T   = sum over replicas of P^ P^T M_w
     e = M - P^ Q_w^T   (what this replica's projection dropped)
 
-and Q is kept for the next step. Q is stored and sent transposed
+and Q is kept for the next step. The residual e is kept as its factors:
+M itself, P^ and this replica's Q_w, and the next step computes
+g + (M - P^ Q_w^T) inside the pass that adds the gradient. Writing e out
+would cost a pass over the gradients (read M, write e) on every step. Q is stored and sent transposed
 ([r, cols]): XLA's CPU dot reads a large operand transposed about six
 times slower than as it lies, and it rewrites a transpose of a product
 into exactly such a dot; with Q^T every product reads M as it lies
@@ -91,10 +94,21 @@ class PowerSGD(ErrorFeedbackCompressor):
         def first_q(shape, dtype):
             return tf.random.stateless_normal(shape, seed=[seed, 0], dtype=dtype)
 
-        spec = {"powersgd_q": StateSpec((self.rank, matrix[1]), first_q)}
+        rows, cols = matrix
+        spec = {"powersgd_q": StateSpec((self.rank, cols), first_q)}
         if self.error_feedback:
-            spec["residual"] = StateSpec(shape, "zeros")
+            # The residual M - P^ Q_w^T, as its factors (module docstring).
+            spec["powersgd_m"] = StateSpec(shape, "zeros")
+            spec["powersgd_p"] = StateSpec((rows, self.rank), "zeros")
+            spec["powersgd_local_q"] = StateSpec((self.rank, cols), "zeros")
         return spec
+
+    def residual(self, state):
+        """M - P^ Q_w^T, from the factors that `state` keeps."""
+        if "powersgd_m" not in state:
+            return None
+        m = state["powersgd_m"]
+        return tf.reshape(_owed(state, self.matrix_shape(m.shape)), m.shape)
 
     def wire_bytes(self, shape, dtype):
         matrix = self.matrix_shape(shape)
@@ -114,20 +128,19 @@ class PowerSGD(ErrorFeedbackCompressor):
         matrix = self.matrix_shape(value.shape)
         if matrix is None:
             return (value,), {}
-        m = value + state["residual"] if self.error_feedback else value
-        m = tf.reshape(m, matrix)
+        m = _matrix(value, state, matrix)
         basis = orthogonalize(tf.linalg.matmul(m, state["powersgd_q"], transpose_b=True))
         q = tf.linalg.matmul(basis, m, transpose_a=True)
         new = {"powersgd_q": _kept_q(q, state["powersgd_q"])}
         if self.error_feedback:
-            new["residual"] = tf.reshape(m - basis @ q, value.shape)
+            new.update(_factors(m, basis, q, value.shape))
         return (basis, q), new
 
     def decode(self, payload, shape, dtype):
         if len(payload) == 1:
             return payload[0]
         basis, q = payload
-        return tf.cast(tf.reshape(basis @ q, shape), dtype)
+        return tf.cast(tf.reshape(low_rank(basis, q), shape), dtype)
 
     def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
         devices = communicator.devices
@@ -137,14 +150,11 @@ class PowerSGD(ErrorFeedbackCompressor):
         if not any(matrix for _, matrix in plan):
             return sum_uncompressed(communicator, values, scales, jit_compile), states
 
-        def state(r, name):
-            return [s.get(name) for s in states[r]]
-
         firsts, matrices = [], []
         for r, device in enumerate(devices):
             with tf.device(device):
                 first, replica_matrices = compiled(_project, jit_compile, device)(
-                    values[r], state(r, "residual"), state(r, "powersgd_q"), scales[r], plan
+                    values[r], states[r], scales[r], plan
                 )
             firsts.append(first)
             matrices.append(replica_matrices)
@@ -158,31 +168,34 @@ class PowerSGD(ErrorFeedbackCompressor):
             seconds.append(second)
             bases.append(basis)
         summed_seconds = communicator.all_reduce(seconds)
-        combined, new_states = [], []
+        combined, new_states, finite = [], [], []
         for r, device in enumerate(devices):
             with tf.device(device):
-                tensors, residuals, qs = compiled(_reconstruct, jit_compile, device)(
+                tensors, qs, replica_finite = compiled(_reconstruct, jit_compile, device)(
                     summed_firsts[r],
                     summed_seconds[r],
-                    seconds[r],
                     bases[r],
-                    matrices[r],
-                    state(r, "powersgd_q"),
+                    [state.get("powersgd_q") for state in states[r]],
                     plan,
                     self.rank,
-                    self.error_feedback,
                 )
+                # Built outside XLA, whose outputs are copies: M becomes
+                # the state as `_project` wrote it.
+                local_qs = _split_second(seconds[r], plan, self.rank)
+                compressed = iter(zip(qs, matrices[r], bases[r], local_qs))
+                replica_states = []
+                for shape, matrix in plan:
+                    new = {}
+                    if matrix:
+                        q, m, basis, local_q = next(compressed)
+                        new["powersgd_q"] = q
+                        if self.error_feedback:
+                            new.update(_factors(m, basis, local_q, shape))
+                    replica_states.append(new)
             combined.append(tensors)
-            replica_states = []
-            for index, (_, matrix) in enumerate(plan):
-                new = {}
-                if matrix is not None:
-                    new["powersgd_q"] = qs[index]
-                    if self.error_feedback:
-                        new["residual"] = residuals[index]
-                replica_states.append(new)
             new_states.append(replica_states)
-        return combined, new_states
+            finite.append(replica_finite)
+        return combined, new_states, finite
 
 
 def orthogonalize(matrix):
@@ -197,30 +210,46 @@ def orthogonalize(matrix):
     return tf.stack(columns, axis=1)
 
 
-def _matrices(values, residuals, scale, plan):
-    """Each value scaled, plus its residual, shaped as its matrix (or flat,
-    for values sent uncompressed)."""
-    matrices = []
-    for value, residual, (shape, matrix) in zip(values, residuals, plan):
-        m = value * scale
-        if residual is not None:
-            m += residual
-        matrices.append(tf.reshape(m, matrix if matrix else [-1]))
-    return matrices
+def _matrix(value, state, matrix):
+    """M: `value` shaped as `matrix`, plus the residual `state` keeps."""
+    m = tf.reshape(value, matrix)
+    if "powersgd_m" in state:
+        m += _owed(state, matrix)
+    return m
 
 
-def _project(values, residuals, qs, scale, plan):
+def _owed(state, matrix):
+    """The residual M - P^ Q_w^T of `state`'s factors, as a `matrix`."""
+    return tf.reshape(state["powersgd_m"], matrix) - low_rank(
+        state["powersgd_p"], state["powersgd_local_q"]
+    )
+
+
+def _factors(m, basis, local_q, shape):
+    """The state that keeps the residual m - basis local_q (`_owed`)."""
+    return {
+        "powersgd_m": tf.reshape(m, shape),
+        "powersgd_p": basis,
+        "powersgd_local_q": local_q,
+    }
+
+
+def _project(values, states, scale, plan):
     """The first buffer (every P = M Q, then the uncompressed values, flat),
     and the compressed values' matrices M, kept so that later passes read
-    M once instead of adding value and residual again.
+    M once instead of adding value and residual again (and kept as the
+    next step's residual factor).
     """
     pieces, kept = [], []
-    for m, q, (_, matrix) in zip(_matrices(values, residuals, scale, plan), qs, plan):
-        if matrix:
-            kept.append(m)
-            pieces.append(tf.reshape(tf.linalg.matmul(m, q, transpose_b=True), [-1]))
-        else:
-            pieces.append(m)
+    for value, state, (_, matrix) in zip(values, states, plan):
+        if not matrix:
+            pieces.append(tf.reshape(value * scale, [-1]))
+            continue
+        m = _matrix(value * scale, state, matrix)
+        kept.append(m)
+        pieces.append(
+            tf.reshape(tf.linalg.matmul(m, state["powersgd_q"], transpose_b=True), [-1])
+        )
     return _ordered(pieces, plan), kept
 
 
@@ -254,36 +283,55 @@ def _project_back(summed_first, matrices, plan, rank):
     return tf.concat(qs, 0), bases
 
 
-def _reconstruct(
-    summed_first, summed_second, second, bases, matrices, old_qs, plan, rank, error_feedback
-):
-    """Every replica's result, and this replica's new residuals and Q's.
+def _split_second(second, plan, rank):
+    """The second buffer (summed or not) as the Q^T's, [rank, cols] each."""
+    shapes = [(rank, matrix[1]) for _, matrix in plan if matrix]
+    sizes = [rank * cols for _, cols in shapes]
+    pieces = tf.split(second, sizes) if len(sizes) > 1 else [second]
+    return [tf.reshape(p, s) for p, s in zip(pieces, shapes)]
+
+
+def _reconstruct(summed_first, summed_second, bases, old_qs, plan, rank):
+    """Every replica's result, the Q's to keep, and whether the result is
+    finite (`_finite`).
 
     Returns:
-        `(tensors, residuals, qs)`: the combined values; for each
-        compressed value its new residual (with error feedback) and Q, None
-        elsewhere.
+        `(tensors, qs, finite)`: the combined values; the Q to keep for
+        each compressed value; a scalar boolean.
     """
     parts = _split_first(summed_first, plan, rank)
-    cols = [matrix[1] * rank for _, matrix in plan if matrix]
-    summed_qs = tf.split(summed_second, cols) if len(cols) > 1 else [summed_second]
-    local_qs = tf.split(second, cols) if len(cols) > 1 else [second]
-    tensors, new_residuals, new_qs = [], [], []
-    compressed = 0
+    summed_qs = _split_second(summed_second, plan, rank)
+    ps = [p for p, (_, matrix) in zip(parts, plan) if matrix]
+    finite = _finite(parts, ps, bases, summed_qs)
+    tensors, qs = [], []
+    compressed = iter(zip(bases, summed_qs))
     for part, old_q, (shape, matrix) in zip(parts, old_qs, plan):
         if not matrix:
             tensors.append(part)
-            new_residuals.append(None)
-            new_qs.append(None)
             continue
-        basis, m = bases[compressed], matrices[compressed]
-        q = tf.reshape(summed_qs[compressed], [rank, matrix[1]])
-        local_q = tf.reshape(local_qs[compressed], [rank, matrix[1]])
-        compressed += 1
-        tensors.append(tf.reshape(low_rank(basis, q), shape))
-        new_residuals.append(tf.reshape(m - low_rank(basis, local_q), shape) if error_feedback else None)
-        new_qs.append(_kept_q(q, old_q))
-    return tensors, new_residuals, new_qs
+        basis, q = next(compressed)
+        tensors.append(tf.where(finite, tf.reshape(low_rank(basis, q), shape), np.nan))
+        qs.append(_kept_q(q, old_q))
+    return tensors, qs, finite
+
+
+def _finite(parts, ps, bases, qs):
+    """Whether every combined value is finite, from the small buffers: the
+    summed first buffer's `parts`, the summed `ps`, their orthonormal
+    `bases` and the summed `qs`.
+
+    No element of P^ Q^T exceeds the sum of |Q| down its column (P^'s
+    columns have norm 1), so a finite sum, with a margin, bounds it. A P
+    whose columns' squared norms overflow would be orthogonalized to 0, a
+    silently wrong result, so it counts as not finite too. Where this says
+    False the compressed results are made NaN (`_reconstruct`), so it is
+    exact either way, and it reads no buffer as large as the gradients.
+    """
+    checks = [tf.reduce_all(tf.math.is_finite(part)) for part in parts]
+    checks += [tf.reduce_all(tf.math.is_finite(tf.reduce_sum(p * p, 0))) for p in ps]
+    checks += [tf.reduce_all(tf.math.is_finite(basis)) for basis in bases]
+    checks += [tf.reduce_all(tf.math.is_finite(2 * tf.reduce_sum(tf.abs(q), 0))) for q in qs]
+    return tf.reduce_all(checks)
 
 
 def low_rank(basis, q):

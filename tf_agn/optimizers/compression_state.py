@@ -1,12 +1,14 @@
 """A stateful compressor's per-replica state, kept as optimizer variables.
 
 `tf_agn.compression.Int8` and `PowerSGD` keep, on every replica, what
-compression dropped (the residual) and PowerSGD's warm-started Q. That
-state is optimizer state, so it lives in the optimizer's variables: one
-replica-local variable (`synchronization="on_read"`) per trainable
-variable and kind of state, made when the optimizer is built, after
-Keras's own, and named after its model variable
-(`dense_kernel_residual`, `dense_kernel_powersgd_q`).
+compression dropped (the residual; PowerSGD keeps it as the factors M,
+P^ and its own Q, `compressor.residual(state)` gives it whole) and
+PowerSGD's warm-started Q. That state is optimizer state, so it lives in
+the optimizer's variables: one replica-local variable
+(`synchronization="on_read"`) per trainable variable and kind of state,
+made when the optimizer is built, after Keras's own, and named after its
+model variable (`dense_kernel_residual`; `dense_kernel_powersgd_q`,
+`dense_kernel_powersgd_m`, ...).
 
 So an optimizer with a stateful compressor has Keras's variables followed
 by these; without one, its variables are exactly Keras's. `.keras` files
@@ -18,9 +20,10 @@ and `tf_agn.callbacks.BackupAndRestore` save them:
   their mean, and loading gives every replica that mean. What the
   replicas' residuals add up to, which is all that a sum of their
   contributions depends on, is kept, so no update is lost. PowerSGD's
-  result is linear in the residuals and its Q is the same on every
-  replica, so it continues exactly (up to rounding); int8 rounds each
-  replica's value on its own, so its next steps round differently.
+  result is linear in the residuals, whose factors' means are the mean
+  residual (P^ and Q are the same on every replica), so it continues
+  exactly (up to rounding); int8 rounds each replica's value on its own,
+  so its next steps round differently.
 """
 
 import keras
