@@ -59,6 +59,16 @@ def values_and_states(strategy, compressor, seed=0, residual_scale=0.1):
     return arrays, state_arrays, values, states
 
 
+def initial_state(strategy, compressor, shape):
+    """`compressor`'s state for a value of `shape` as every replica starts
+    it, as `PerReplica` values."""
+    state = {}
+    for name, spec in compressor.state_spec(tf.TensorShape(shape)).items():
+        initial = spec.initializer if callable(spec.initializer) else tf.zeros
+        state[name] = per_replica(strategy, [initial(spec.shape, tf.float32).numpy()] * NUM_REPLICAS)
+    return state
+
+
 def owed(compressor, state):
     """`compressor.residual` of one replica's `state` (numpy arrays), as a
     numpy array; 0 without error feedback."""
@@ -197,10 +207,7 @@ def test_powersgd_is_exact_when_the_rank_reaches_the_gradients(transport):
     columns = rng.normal(size=(64, 3))  # every replica's gradient: rank 3, one column space
     arrays = [(columns @ rng.normal(size=(3, 32))).astype(np.float32) for _ in range(NUM_REPLICAS)]
     value = per_replica(strategy, arrays)
-    state = {}
-    for name, spec in compressor.state_spec(tf.TensorShape([64, 32])).items():
-        initial = spec.initializer if callable(spec.initializer) else tf.zeros
-        state[name] = per_replica(strategy, [initial(spec.shape, tf.float32).numpy()] * NUM_REPLICAS)
+    state = initial_state(strategy, compressor, [64, 32])
     (combined,), (new_state,) = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
     for r in range(NUM_REPLICAS):
         np.testing.assert_allclose(combined[r], sum(arrays), atol=1e-4)
@@ -324,10 +331,7 @@ def test_powersgd_moderate_values_stay_finite_and_exact():
     rng = np.random.default_rng(2)
     columns = rng.normal(size=(40, 3))
     arrays = [(columns @ rng.normal(size=(3, 30)) * 1e15).astype(np.float32) for _ in range(NUM_REPLICAS)]
-    state = {}
-    for name, spec in compressor.state_spec(tf.TensorShape([40, 30])).items():
-        initial = spec.initializer if callable(spec.initializer) else tf.zeros
-        state[name] = per_replica(strategy, [initial(spec.shape, tf.float32).numpy()] * NUM_REPLICAS)
+    state = initial_state(strategy, compressor, [40, 30])
     value = per_replica(strategy, arrays)
     (combined,), _ = run(strategy, ops, "sum", [value], [state], compressor, traced=True)
     np.testing.assert_allclose(combined[0], sum(arrays), rtol=1e-3, atol=1e-4 * 1e15)
