@@ -10,7 +10,8 @@ the candidate's `fit` traces and runs.
 
 Compression shrinks what the gradient all-reduce sends, at the price of
 encoding work on every replica (a cast for fp16, quantization for int8,
-two small matrix products and a Gram-Schmidt per matrix for PowerSGD) and
+two small matrix products and two small QR decompositions per matrix for
+PowerSGD) and
 of error in the applied gradient, which error feedback carries into the
 next step instead of losing it. Four parts measure these sides:
 

@@ -61,15 +61,12 @@ def int8_reference(values, residuals, chunk_size):
 
 
 def orthogonalize(matrix):
-    """Gram-Schmidt on the columns of `matrix`, in float64."""
-    columns = []
-    for i in range(matrix.shape[1]):
-        column = matrix[:, i].astype(np.float64)
-        for earlier in columns:
-            column = column - (earlier @ column) * earlier
-        norm = np.linalg.norm(column)
-        columns.append(column / norm if norm > 0 else column)
-    return np.stack(columns, axis=1)
+    """The paper's orthogonalization of `matrix`'s columns, in float64:
+    Gram-Schmidt's basis (each column's span kept in order, positive
+    coefficients on the diagonal), computed stably by a QR decomposition
+    so that it stays orthonormal for rank-deficient inputs too."""
+    q, r = np.linalg.qr(matrix.astype(np.float64))
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
 
 
 def powersgd_reference(matrices, q):
@@ -98,50 +95,65 @@ def one_step_errors(ops, strategy, devices, seed=0):
     of random values with int8 and with PowerSGD, and the references; for
     tests/gpu_worker.py, where a GPU runs the compiled compressors.
 
+    PowerSGD is also checked on the gradients where a less careful
+    orthogonalization fails: rank 1 at rank 4, elements of 1e-30, and a
+    top singular value near 1e10.
+
     Returns:
-        `{"int8": float, "powersgd": float}`: for int8 in units of one
-        quantization step of the sum (at most 1 where the owner's sum
-        rounded differently), for PowerSGD absolute.
+        `{"int8": float, "powersgd": float, "powersgd_rank_1": float,
+        "powersgd_tiny": float, "powersgd_huge": float}`: for int8 in
+        units of one quantization step of the sum (at most 1 where the
+        owner's sum rounded differently), for PowerSGD absolute, and for
+        its hard cases relative to the reference's norm.
     """
     from tf_agn import compression
 
     n = len(devices)
     rng = np.random.default_rng(seed)
     arrays = [rng.normal(size=(64, 48)).astype(np.float32) for _ in range(n)]
+    scaled = [a / np.float32(n) for a in arrays]
 
-    def per_replica(values):
-        return placed_values.per_replica(strategy, devices, values)
-
-    errors = {}
-    for name, compressor in (
-        ("int8", compression.Int8(chunk_size=64)),
-        ("powersgd", compression.PowerSGD(rank=2)),
-    ):
-        spec = compressor.state_spec(tf.TensorShape([64, 48]))
+    def aggregate(compressor, arrays):
+        spec = compressor.state_spec(tf.TensorShape(arrays[0].shape))
         initial = {
             key: s.initializer(s.shape, tf.float32).numpy()
             if callable(s.initializer)
             else np.zeros(s.shape, np.float32)
             for key, s in spec.items()
         }
-        state = {key: per_replica([value] * n) for key, value in initial.items()}
+        state = {
+            key: placed_values.per_replica(strategy, devices, [value] * n)
+            for key, value in initial.items()
+        }
+        values = placed_values.per_replica(strategy, devices, arrays)
 
         @tf.function
-        def aggregate(compressor=compressor, state=state):
-            (combined,), _ = ops.aggregate(
-                "mean", [per_replica(arrays)], compressor=compressor, states=[state]
-            )
+        def run():
+            (combined,), _ = ops.aggregate("mean", [values], compressor=compressor, states=[state])
             return strategy.experimental_local_results(combined)
 
-        got = [t.numpy() for t in aggregate()]
-        scaled = [a / np.float32(n) for a in arrays]
-        if name == "int8":
-            want, _ = int8_reference(
-                [s.reshape(-1) for s in scaled], [np.zeros(64 * 48, np.float32)] * n, 64
-            )
-            step = np.abs(want).max() / 127
-            errors[name] = max(float(np.abs(g.reshape(-1) - want).max() / step) for g in got)
-        else:
-            want, _, _ = powersgd_reference(scaled, initial["powersgd_q"].T)
-            errors[name] = max(float(np.abs(g - want).max()) for g in got)
+        return [t.numpy() for t in run()], initial
+
+    got, _ = aggregate(compression.Int8(chunk_size=64), arrays)
+    want, _ = int8_reference(
+        [s.reshape(-1) for s in scaled], [np.zeros(64 * 48, np.float32)] * n, 64
+    )
+    step = np.abs(want).max() / 127
+    errors = {"int8": max(float(np.abs(g.reshape(-1) - want).max() / step) for g in got)}
+
+    got, initial = aggregate(compression.PowerSGD(rank=2), arrays)
+    want, _, _ = powersgd_reference(scaled, initial["powersgd_q"].T)
+    errors["powersgd"] = max(float(np.abs(g - want).max()) for g in got)
+
+    column = rng.normal(size=(64, 1))
+    hard_cases = {
+        "powersgd_rank_1": [column @ rng.normal(size=(1, 48)) for _ in range(n)],
+        "powersgd_tiny": [rng.normal(size=(64, 48)) * 1e-30 for _ in range(n)],
+        "powersgd_huge": [rng.normal(size=(64, 48)) * 1e9 for _ in range(n)],
+    }
+    for name, hard in hard_cases.items():
+        hard = [a.astype(np.float32) for a in hard]
+        got, initial = aggregate(compression.PowerSGD(rank=4), hard)
+        want, _, _ = powersgd_reference([a / np.float32(n) for a in hard], initial["powersgd_q"].T)
+        errors[name] = max(float(np.linalg.norm(g - want) / np.linalg.norm(want)) for g in got)
     return errors

@@ -55,6 +55,9 @@ def test_int8_and_powersgd_match_numpy_on_gpus(report):
         # sum may add in another order); PowerSGD: float32 against float64.
         assert row["int8"] <= 1.01, row
         assert row["powersgd"] <= 1e-4, row
+        # Rank 1 at rank 4, elements of 1e-30, a top singular value of 1e10.
+        for case in ("powersgd_rank_1", "powersgd_tiny", "powersgd_huge"):
+            assert row[case] <= 1e-5, row
 
 
 def test_every_candidate_was_timed(report):

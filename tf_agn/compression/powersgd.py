@@ -2,34 +2,33 @@
 
 Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization" (NeurIPS 2019), Algorithms 1
-and 2. Each gradient of rank >= 2 is seen as a matrix M (its last axis
-the columns: a Dense kernel as it is, a Conv2D kernel as
+and 2, with Q orthonormalized before use as PyTorch's PowerSGD hook does.
+Each gradient of rank >= 2 is seen as a matrix M (its last axis the
+columns: a Dense kernel as it is, a Conv2D kernel as
 (height * width * in) x out), plus this replica's residual e. With Q
 (cols x r) kept from the previous step (a warm start):
 
     M = g + e
-    P = M Q;           all-reduce P (sum over replicas)
-    P^ = orthogonalize(P)            (Gram-Schmidt, XLA-compiled)
-    Q_w = M^T P^;      all-reduce Q  (sum over replicas)
-    applied = P^ Q^T   = sum over replicas of P^ P^T M_w
-    e = M - P^ Q_w^T   (what this replica's projection dropped)
+    P = M orthonormalize(Q);   all-reduce P (sum over replicas)
+    P^ = orthonormalize(P)
+    Q_w = M^T P^;              all-reduce Q (sum over replicas)
+    applied = P^ Q^T           = P^ P^T (sum over replicas of M_w)
+    e = M - P^ Q_w^T           (what this replica's projection dropped)
 
-and Q is kept for the next step. The residual e is kept as its factors:
-M itself, P^ and this replica's Q_w, and the next step computes
-g + (M - P^ Q_w^T) inside the pass that adds the gradient. Writing e out
-would cost a pass over the gradients (read M, write e) on every step. Q is stored and sent transposed
-([r, cols]): XLA's CPU dot reads a large operand transposed about six
-times slower than as it lies, and it rewrites a transpose of a product
-into exactly such a dot; with Q^T every product reads M as it lies
-(P = M (Q^T)^T, Q^T = P^T M, P Q^T). A 4096 x 4096 kernel then sends
-2 * 4096 * r floats instead of 4096^2: 512x fewer at rank 4. Vectors
-(biases), and matrices too small to gain `min_compression_rate`, travel
-uncompressed in the first all-reduce. All replicas end with the same
-P^ and Q, so their weights stay equal. Q starts as the same
-pseudo-random matrix on every replica of every worker (a fixed seed).
+and Q is kept for the next step. `orthonormalize` is a Householder QR,
+XLA-compiled, of columns scaled to their largest magnitude: P^ is
+orthonormal whatever the gradient's rank or scale, so `applied` is the
+orthogonal projection of the summed M onto span(P^). When the summed M
+has rank <= r, that projection is exact. A column that a degenerate step
+(a gradient with one nonzero row, say) leaves dependent gets a new
+direction, so the next steps have their full rank again.
 
-When the rank reaches the gradient's (a matrix of rank <= r), P^ spans
-its columns and the projection is exact.
+A 4096 x 4096 kernel sends 2 * 4096 * r floats instead of 4096^2: 512x
+fewer at rank 4. Vectors (biases), and matrices too small to gain
+`min_compression_rate`, travel uncompressed in the first all-reduce. All
+replicas end with the same P^ and Q, so their weights stay equal. Q
+starts as the same pseudo-random matrix on every replica of every worker
+(a fixed seed).
 """
 
 import keras
@@ -95,9 +94,16 @@ class PowerSGD(ErrorFeedbackCompressor):
             return tf.random.stateless_normal(shape, seed=[seed, 0], dtype=dtype)
 
         rows, cols = matrix
+        # Q is kept and sent transposed ([r, cols]): XLA's CPU dot reads a
+        # large operand transposed about six times slower than as it lies,
+        # and it rewrites a transpose of a product into such a dot; with
+        # Q^T every product reads M as it lies (M Q, P^T M, P Q^T).
         spec = {"powersgd_q": StateSpec((self.rank, cols), first_q)}
         if self.error_feedback:
-            # The residual M - P^ Q_w^T, as its factors (module docstring).
+            # The residual M - P^ Q_w^T, kept as its factors: the next step
+            # computes g + (M - P^ Q_w^T) inside the pass that adds the
+            # gradient, where writing e out would cost a pass over the
+            # gradients (read M, write e) on every step.
             spec["powersgd_m"] = StateSpec(shape, "zeros")
             spec["powersgd_p"] = StateSpec((rows, self.rank), "zeros")
             spec["powersgd_local_q"] = StateSpec((self.rank, cols), "zeros")
@@ -129,7 +135,9 @@ class PowerSGD(ErrorFeedbackCompressor):
         if matrix is None:
             return (value,), {}
         m = _matrix(value, state, matrix)
-        basis = orthogonalize(tf.linalg.matmul(m, state["powersgd_q"], transpose_b=True))
+        basis = orthonormalize(
+            tf.linalg.matmul(m, orthonormal_rows(state["powersgd_q"]), transpose_b=True)
+        )
         q = tf.linalg.matmul(basis, m, transpose_a=True)
         new = {"powersgd_q": _kept_q(q, state["powersgd_q"])}
         if self.error_feedback:
@@ -198,16 +206,32 @@ class PowerSGD(ErrorFeedbackCompressor):
         return combined, new_states, finite
 
 
-def orthogonalize(matrix):
-    """The columns of `matrix` ([rows, r]) made orthonormal by
-    Gram-Schmidt; a column that depends on the earlier ones becomes 0."""
-    columns = []
-    for i in range(matrix.shape[1]):
-        column = matrix[:, i]
-        for earlier in columns:
-            column -= tf.reduce_sum(earlier * column) * earlier
-        columns.append(tf.math.divide_no_nan(column, tf.norm(column)))
-    return tf.stack(columns, axis=1)
+def orthonormalize(matrix):
+    """An orthonormal basis whose first k columns span `matrix`'s first k
+    columns, for every k: the Q of the thin QR decomposition of `matrix`
+    ([rows, r], rows >= r), with R's diagonal made non-negative, as
+    Gram-Schmidt's.
+
+    Whatever `matrix`'s rank, every column of the result has norm 1: a
+    column that depends on the earlier ones gets a new direction, orthogonal
+    to them, instead of becoming 0.
+    """
+    # Scaling each column by its largest magnitude changes no span, and
+    # keeps the squared norms that QR computes inside float32: gradient
+    # elements of 1e-30 would underflow to a zero norm, 1e20 overflow.
+    peak = tf.reduce_max(tf.abs(matrix), axis=0)
+    q, r = tf.linalg.qr(matrix / tf.where(peak > 0, peak, tf.ones_like(peak)))
+    # Householder QR (XLA's expander, on every backend) keeps Q orthonormal
+    # to rounding even for a rank-deficient input, where one pass of
+    # Gram-Schmidt with a guarded division lost orthogonality (|P^T P - I|
+    # of 0.7 on a rank-1 gradient) and left dead columns at 0 for good.
+    return q * tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)
+
+
+def orthonormal_rows(q):
+    """`q` ([r, cols], Q as the state keeps it) with orthonormal rows that
+    span its rows, as `orthonormalize` makes columns."""
+    return tf.transpose(orthonormalize(tf.transpose(q)))
 
 
 def _matrix(value, state, matrix):
@@ -247,9 +271,8 @@ def _project(values, states, scale, plan):
             continue
         m = _matrix(value * scale, state, matrix)
         kept.append(m)
-        pieces.append(
-            tf.reshape(tf.linalg.matmul(m, state["powersgd_q"], transpose_b=True), [-1])
-        )
+        q = orthonormal_rows(state["powersgd_q"])
+        pieces.append(tf.reshape(tf.linalg.matmul(m, q, transpose_b=True), [-1]))
     return _ordered(pieces, plan), kept
 
 
@@ -275,7 +298,7 @@ def _split_first(summed, plan, rank):
 def _project_back(summed_first, matrices, plan, rank):
     """The second buffer (every Q_w^T = P^T M, flat) and the P^'s."""
     ps = [p for p, (_, matrix) in zip(_split_first(summed_first, plan, rank), plan) if matrix]
-    bases = [orthogonalize(p) for p in ps]
+    bases = [orthonormalize(p) for p in ps]
     qs = [
         tf.reshape(tf.linalg.matmul(basis, m, transpose_a=True), [-1])
         for m, basis in zip(matrices, bases)
@@ -301,8 +324,7 @@ def _reconstruct(summed_first, summed_second, bases, old_qs, plan, rank):
     """
     parts = _split_first(summed_first, plan, rank)
     summed_qs = _split_second(summed_second, plan, rank)
-    ps = [p for p, (_, matrix) in zip(parts, plan) if matrix]
-    finite = _finite(parts, ps, bases, summed_qs)
+    finite = _finite(parts, bases, summed_qs)
     tensors, qs = [], []
     compressed = iter(zip(bases, summed_qs))
     for part, old_q, (shape, matrix) in zip(parts, old_qs, plan):
@@ -315,20 +337,18 @@ def _reconstruct(summed_first, summed_second, bases, old_qs, plan, rank):
     return tensors, qs, finite
 
 
-def _finite(parts, ps, bases, qs):
+def _finite(parts, bases, qs):
     """Whether every combined value is finite, from the small buffers: the
-    summed first buffer's `parts`, the summed `ps`, their orthonormal
-    `bases` and the summed `qs`.
+    summed first buffer's `parts`, the orthonormal `bases` and the summed
+    `qs`.
 
     No element of P^ Q^T exceeds the sum of |Q| down its column (P^'s
-    columns have norm 1), so a finite sum, with a margin, bounds it. A P
-    whose columns' squared norms overflow would be orthogonalized to 0, a
-    silently wrong result, so it counts as not finite too. Where this says
-    False the compressed results are made NaN (`_reconstruct`), so it is
-    exact either way, and it reads no buffer as large as the gradients.
+    columns have norm 1), so a finite sum, with a margin, bounds it. Where
+    this says False the compressed results are made NaN (`_reconstruct`),
+    so it is exact either way, and it reads no buffer as large as the
+    gradients.
     """
     checks = [tf.reduce_all(tf.math.is_finite(part)) for part in parts]
-    checks += [tf.reduce_all(tf.math.is_finite(tf.reduce_sum(p * p, 0))) for p in ps]
     checks += [tf.reduce_all(tf.math.is_finite(basis)) for basis in bases]
     checks += [tf.reduce_all(tf.math.is_finite(2 * tf.reduce_sum(tf.abs(q), 0))) for q in qs]
     return tf.reduce_all(checks)
