@@ -7,7 +7,10 @@ package imports Keras' or TensorFlow's private modules or touches a private
 attribute that is not tf_agn's own."""
 
 import ast
+import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -213,6 +216,35 @@ def test_aggregating_overrides_keras_optimizer_hooks():
 
 
 # Versions ---------------------------------------------------------------------
+
+
+def test_keras_own_optimizers_under_loss_scaling_behave_as_stock():
+    """Importing tf_agn replaces `LossScaleOptimizer.check_finite` for the
+    whole process (`compile` creates the stock class itself, and an inner
+    optimizer never sees its wrapper). Keras's own optimizers must not
+    notice: the same mixed-precision run under a stock MirroredStrategy,
+    two finite steps then an overflow on replica 1 only, gives bitwise the
+    same weights, loss scales and step counts with tf_agn imported as
+    without, in fresh processes (tests/stock_loss_scaling_worker.py)."""
+    runs = {}
+    for flags in ((), ("--import_tf_agn",)):
+        output = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tests", "stock_loss_scaling_worker.py"), *flags],
+            capture_output=True, text=True, timeout=300, check=True,
+        ).stdout
+        runs[flags] = json.loads(output.strip().splitlines()[-1])
+    stock, with_tf_agn = runs[()], runs[("--import_tf_agn",)]
+    assert stock["check_finite"].startswith("keras.")
+    assert with_tf_agn["check_finite"] == "tf_agn.optimizers.loss_scaling._check_finite"
+    assert [s["step_counter"] for s in stock["steps"]] == [1, 2, 3]  # every step applied
+    for step, (want, got) in enumerate(zip(stock["steps"], with_tf_agn["steps"])):
+        assert got["loss_scale"] == want["loss_scale"] and got["step_counter"] == want["step_counter"]
+        for w, g in zip(want["weights"], got["weights"]):
+            np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=f"step {step}")
+    # Stock Keras lets replica 1's overflow into every weight (what tf_agn's
+    # own optimizers fix; tests/test_non_finite.py).
+    assert np.isfinite(np.array(stock["steps"][1]["weights"][0])).all()
+    assert np.isnan(np.array(stock["steps"][2]["weights"][0])).all()
 
 
 def test_installed_versions_are_the_tested_ones():
