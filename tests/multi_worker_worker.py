@@ -39,6 +39,10 @@ OUT_DIR/worker<i>.npz with:
     steps_per_execution_3/<i>: MEAN's weights with three steps per call;
     contract/<eager|traced>/<name>/<copy>, many_packs/<eager|traced>/...:
         tests/contract.py's results on this worker;
+    own_all_reduce/<sum|mean>/<dense|sparse>: `_all_reduce` of an ops
+        object used on its own, outside the strategy's scope, on the
+        arrays of `replica_arrays` (float32) and the slices of
+        `replica_slices`, as TensorFlow's `CollectiveOpsTest` calls it;
     predict, evaluate: the untrained model's `predict` on 40 rows and its
         `evaluate` (loss, mae).
 
@@ -189,6 +193,7 @@ def main(inputs_path, model_path, out_dir):
     result.update(exact_reduce_results(strategy))
     result.update(keras_fix_results(strategy, dataset))
     result.update(contract_checks(strategy))
+    result.update(own_all_reduce_results(strategy))
     result.update(predict_and_evaluate(strategy, model_path, x, y, batch_size))
     def train(make_optimizer, key, steps_per_execution=1):
         """Fits the test MLP with `make_optimizer()`; records its weights."""
@@ -269,6 +274,37 @@ def contract_checks(strategy):
                 for copy, array in enumerate(arrays):
                     out[f"{prefix}/{mode}/{name}/{copy}"] = array
     log("contract checks done")
+    return out
+
+
+def own_all_reduce_results(strategy):
+    """`_all_reduce` of ops used on their own: outside the strategy's
+    scope, each worker reduces its one replica's values, on its CPU."""
+    default = tf_agn_ops(strategy)
+    ops = tf_agn.AggregatingAllReduce(
+        transport="collective",
+        num_workers=default.num_workers,
+        worker_index=default.worker_index,
+    )
+    replica = default.worker_index  # one replica per worker
+    array = replica_arrays(replica, "float32")[0]
+    rows, indices = replica_slices(replica)
+
+    @tf.function
+    def all_reduce(reduce_op):
+        with tf.device(strategy.extended.worker_devices[0]):
+            dense = tf.constant(array)
+            sparse = tf.IndexedSlices(
+                tf.constant(rows), tf.constant(indices), tf.constant([6, 4])
+            )
+            return ops._all_reduce(reduce_op, (dense, sparse), 0, None)
+
+    out = {}
+    for reduce_op in ("sum", "mean"):
+        dense, sparse = all_reduce(reduce_op)
+        out[f"own_all_reduce/{reduce_op}/dense"] = dense.numpy()
+        out[f"own_all_reduce/{reduce_op}/sparse"] = tf.convert_to_tensor(sparse).numpy()
+    log("all-reduce checks of ops on their own done")
     return out
 
 

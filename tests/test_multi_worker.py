@@ -9,9 +9,9 @@ method, dtype and compression through the ops, check that ops which
 compress still reduce exactly through TensorFlow's entry points, and try the two reductions
 Keras's `fit` makes, in a single cluster start; the checks below compare
 what each wrote with numpy references. They also run the whole
-`CrossDeviceOps` contract (tests/contract.py), `predict`, `evaluate` and
-`steps_per_execution=3`, with worker 0 having built two more ops objects
-than the others.
+`CrossDeviceOps` contract (tests/contract.py), `_all_reduce` of ops used
+on their own, `predict`, `evaluate` and `steps_per_execution=3`, with
+worker 0 having built two more ops objects than the others.
 """
 
 import os
@@ -273,6 +273,29 @@ def test_sparse_values_are_gathered_across_workers(cluster, method):
         got = np.zeros((6, 4))
         np.add.at(got, result[f"sparse/{method}/indices"], result[f"sparse/{method}/values"])
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"replica {replica}")
+
+
+@pytest.mark.parametrize("reduce_op", ["sum", "mean"])
+def test_all_reduce_of_ops_on_their_own_across_workers(cluster, reduce_op):
+    """TensorFlow's `CollectiveOpsTest` calls `_all_reduce` on ops made
+    without a strategy, outside any strategy's scope."""
+    num_workers, workers = cluster
+    dense = [replica_arrays(r, "float32")[0].astype(np.float64) for r in range(num_workers)]
+    tables = []
+    for replica in range(num_workers):
+        rows, indices = replica_slices(replica)
+        tables.append(np.zeros((6, 4)))
+        np.add.at(tables[-1], indices, rows)
+    scale = 1 / num_workers if reduce_op == "mean" else 1
+    for replica, result in enumerate(workers):
+        message = f"replica {replica}"
+        key = f"own_all_reduce/{reduce_op}"
+        np.testing.assert_allclose(
+            result[f"{key}/dense"], scale * sum(dense), rtol=1e-6, err_msg=message
+        )
+        np.testing.assert_allclose(
+            result[f"{key}/sparse"], scale * sum(tables), rtol=1e-6, err_msg=message
+        )
 
 
 def test_keras_fit_reductions_fail_stock_and_work_with_ours(cluster):

@@ -1,5 +1,6 @@
 """`AggregatingAllReduce`: packed, XLA-compiled cross-device reduction."""
 
+import copy
 import threading
 
 import tensorflow as tf
@@ -216,6 +217,27 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         # or two batches could interleave differently on two devices.
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo):
+        """A copy with the same settings, for `copy.deepcopy` of a strategy,
+        which TensorFlow's own cross-device ops allow.
+
+        Args:
+            memo: `copy.deepcopy`'s memo.
+
+        Returns:
+            A new `AggregatingAllReduce` of this one's type and settings.
+        """
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        # The copy launches into the same collective groups, which are the
+        # process's (`tf_agn.collective.collective_group`): it shares the
+        # lock, so that its batches never interleave with this object's.
+        memo[id(self._lock)] = self._lock
+        # Eager functions close over this object; the copy traces its own.
+        state = dict(vars(self), _eager_functions={})
+        vars(copied).update(copy.deepcopy(state, memo))
+        return copied
+
     # TensorFlow's entry points: exact, never compressed.
 
     @property
@@ -279,12 +301,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         """One replica's all-reduce, in replica context, without merge_call.
 
         `MultiWorkerMirroredStrategy` calls this inside XLA-compiled steps
-        on GPUs. Only the collective transport can serve it: each replica
+        on GPUs, and TensorFlow's own tests call it on ops used without a
+        strategy. Only the collective transport can serve it: each replica
         launches its own part of every collective.
         """
         method = AggregationMethod.parse(reduce_op)
         flat = tf.nest.flatten(value, expand_composites=False)
-        devices = tf.distribute.get_strategy().extended.worker_devices
+        devices = self._replica_devices(flat, replica_id)
         options, transport = self._options(options, devices)
         if transport != "collective":
             raise NotImplementedError(
@@ -295,6 +318,37 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             method, replica_id, flat, group, 1.0, options, None, self.jit_compile
         )
         return tf.nest.pack_sequence_as(value, reduced)
+
+    def _replica_devices(self, tensors, replica_id):
+        """This process's replica devices, for `_all_reduce` of replica
+        `replica_id`'s `tensors`.
+
+        Args:
+            tensors: the replica's tensors and `tf.IndexedSlices`.
+            replica_id: the replica's index among this process's replicas.
+
+        Returns:
+            The devices of the strategy in scope; outside any strategy, the
+            one device of `tensors`: TensorFlow's default replica context
+            has one replica.
+
+        Raises:
+            ValueError: outside a strategy, for a `replica_id` other than 0
+                or tensors on several devices.
+        """
+        if tf.distribute.has_strategy():
+            return tf.distribute.get_strategy().extended.worker_devices
+        # A tensor without a device resolves to the device scope it is
+        # reduced in, as TensorFlow's own ops read destinations.
+        devices = {device for t in tensors for device in _compat.devices_of(t, self)}
+        if replica_id != 0 or len(devices) != 1:
+            raise ValueError(
+                "Outside a strategy, _all_reduce serves one local replica, "
+                "replica_id 0, with its values on one device; received "
+                f"replica_id {replica_id!r} and values on {sorted(devices)}. "
+                "Call it in a strategy's replica context for several."
+            )
+        return (devices.pop(),)
 
     # tf_agn's entry point.
 

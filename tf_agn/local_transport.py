@@ -161,12 +161,15 @@ class LocalTransport:
     def _send(self, tensors, device, flatten, compressor):
         """Prepares one replica's part of a pack for the trip: compressed
         and, where that saves work, flattened into one buffer."""
-        if not flatten:
-            if compressor is None:
-                return tensors
-            with tf.device(device):
-                return [compressor.compress(t) for t in tensors]
         with tf.device(device):
+            # A variable (a sync-on-read variable's component) is read here,
+            # on its own device: the compiled combine on the reduce device
+            # cannot read another device's resource.
+            tensors = [tf.convert_to_tensor(t) for t in tensors]
+            if not flatten:
+                if compressor is None:
+                    return tensors
+                return [compressor.compress(t) for t in tensors]
             return [
                 packing.flatten(
                     tensors, compressor=compressor, jit_compile=self._jit(device)
