@@ -158,7 +158,7 @@ def test_disagreement_names_the_first_differing_field_and_every_value():
     assert agreement._version_text(agreement._version_code("1.23.4")) == "1.23.4"
 
 
-def settings_of(compression=None, accumulation=None, units=4):
+def settings_of(compression=None, accumulation=None, units=4, sparse=None):
     """The settings of an optimizer training a Dense(units) layer's kernel
     and bias, as a worker would compare them."""
     variables = [tf.Variable(tf.zeros((8, units))), tf.Variable(tf.zeros((units,)))]
@@ -167,6 +167,7 @@ def settings_of(compression=None, accumulation=None, units=4):
         tf_agn.compression.get(compression),
         ("gradient_accumulation_steps", accumulation),
         variables,
+        sparse,
     )
 
 
@@ -181,8 +182,9 @@ def settings_of(compression=None, accumulation=None, units=4):
         ),
         ({"accumulation": 4}, "gradient_accumulation_steps", "worker 1 has 4"),
         ({"units": 5}, "trainable variable shapes and dtypes", "worker 1 has code"),
+        ({"sparse": [True, False]}, "variables with sparse gradients", "worker 1 has code"),
     ],
-    ids=["compressor", "its_rank", "accumulation", "shapes"],
+    ids=["compressor", "its_rank", "accumulation", "shapes", "sparse_gradients"],
 )
 def test_optimizer_disagreement_names_what_differs(differs, named, shown):
     settings = settings_of(compression=tf_agn.compression.PowerSGD(rank=1))

@@ -10,7 +10,8 @@ collective that depends on them:
   transport, devices and tf_agn release;
 - `check_optimizer_agreement`, when a tf_agn optimizer is built across
   workers: its own aggregation method, compression,
-  accumulation or window, and the shapes of the variables it trains.
+  accumulation or window, the shapes of the variables it trains, and
+  which of them it keeps no compressor state for (`sparse_gradients`).
 
 In each, every worker all-gathers a few integers that encode its settings,
 and every worker raises the same error, naming the setting and each
@@ -122,7 +123,7 @@ def strategy_settings(ops, devices):
     ]
 
 
-def optimizer_settings(method, compressor, window, variables):
+def optimizer_settings(method, compressor, window, variables, sparse=None):
     """What an optimizer's collectives depend on.
 
     Args:
@@ -131,18 +132,23 @@ def optimizer_settings(method, compressor, window, variables):
         window: `(name, steps)`: how many steps make one collective
             (`gradient_accumulation_steps`, or AGN's `local_steps`).
         variables: the variables whose gradients or commits travel.
+        sparse: None, or for each variable whether it is declared to have
+            sparse gradients, and so no compressor state
+            (`sparse_gradients`).
 
     Returns:
         A list of `Setting`s, in the order workers compare them.
     """
     window_name, steps = window
     shapes = [(tuple(v.shape), str(v.dtype)) for v in variables]
+    declared = [i for i, is_sparse in enumerate(sparse or ()) if is_sparse]
     return [
         _method_setting("aggregation_method", method),
         *compression_settings(compressor),
         Setting(window_name, steps or 0, str),
         Setting("trainable variables", len(shapes), str),
         Setting("trainable variable shapes and dtypes", _crc(shapes), _code_text),
+        Setting("variables with sparse gradients", _crc(declared), _code_text),
     ]
 
 
@@ -256,7 +262,7 @@ def check_agreement(ops, devices, timeout_seconds):
     _check(strategy_settings(ops, devices), ops, devices, timeout_seconds, "strategy")
 
 
-def check_optimizer_agreement(optimizer, method, compressor, window, variables):
+def check_optimizer_agreement(optimizer, method, compressor, window, variables, sparse=None):
     """Raises on every worker unless all build `optimizer` alike.
 
     tf_agn's optimizers call it first thing in `build`, before they create
@@ -276,7 +282,8 @@ def check_optimizer_agreement(optimizer, method, compressor, window, variables):
 
     Args:
         optimizer: the tf_agn optimizer being built.
-        method, compressor, window, variables: see `optimizer_settings`.
+        method, compressor, window, variables, sparse: see
+            `optimizer_settings`.
 
     Raises:
         ValueError: naming the first setting the workers disagree on and
@@ -290,7 +297,7 @@ def check_optimizer_agreement(optimizer, method, compressor, window, variables):
         return
     with tf.init_scope():
         _check(
-            optimizer_settings(method, compressor, window, variables),
+            optimizer_settings(method, compressor, window, variables, sparse),
             ops,
             strategy.extended.worker_devices,
             ops.options.timeout_seconds,

@@ -3,7 +3,6 @@
 import keras
 import tensorflow as tf
 
-from tf_agn.aggregation import AggregationMethod
 from tf_agn.compression import is_stateful
 
 
@@ -11,14 +10,17 @@ class CommunicationCounter:
     """Counts aggregations and the bytes one replica contributes to them.
 
     An aggregation (SUM, MEAN or ONLY_FIRST_REPLICA) counts as one call, and
-    its payload is the bytes of one replica's values: what each replica puts
-    on the wire in a reduce, and what replica 0 broadcasts for
-    ONLY_FIRST_REPLICA. A compressor shrinks the payload to its
-    `wire_bytes`: 2 bytes per float32 for "fp16" and "bf16", about 1 for
-    "int8", (rows + cols) * rank floats per matrix for PowerSGD. NONE sends
-    nothing and is not counted. An int8 or ring all-reduce sends its
-    payload about twice (see `tf_agn.collective.traffic`); the payload is
-    what compression changes.
+    its payload is the bytes of one replica's values as they travel
+    (`payload_bytes`): what each replica puts on the wire in a reduce, and
+    what replica 0 broadcasts for ONLY_FIRST_REPLICA. A compressor shrinks
+    the payload: 2 bytes per float32 for "fp16" and "bf16"; for "int8" a
+    byte per element and a float32 scale per chunk, with each pack padded
+    so that every replica's part of it is whole chunks; (rows + cols) *
+    rank floats per matrix for PowerSGD. Before an int8 or PowerSGD
+    compressor's `start_step` the values travel, and count, as float32.
+    NONE sends nothing and is not counted. An int8 or ring all-reduce sends
+    its payload about twice (see `tf_agn.collective.traffic`); the payload
+    is what compression changes.
 
     The counts are variables of the counter, not of the optimizer: an
     optimizer's `variables`, and what it saves, stay exactly those of
@@ -39,21 +41,14 @@ class CommunicationCounter:
                 for name in ("all_reduce_calls", "bytes_sent")
             )
 
-    def record(self, values, method, compressor=None, when=None):
-        """Adds one aggregation of `values` (this replica's tensors).
+    def record(self, payload, when=None):
+        """Adds one aggregation.
 
         Args:
-            values: this replica's tensors or `tf.IndexedSlices`.
-            method: an `AggregationMethod` or its name.
-            compressor: the `tf_agn.compression` compressor they travel in,
-                or None.
+            payload: the bytes this replica sent, an int or a scalar
+                integer tensor (`payload_bytes`).
             when: None, or a scalar boolean tensor: count only where true.
         """
-        if AggregationMethod.parse(method) is AggregationMethod.NONE:
-            return
-        # Dense gradients have static shapes: their payload is a Python
-        # number, so counting adds no per-tensor ops to the training step.
-        payload = sum(_payload_bytes(v, compressor) for v in values)
         times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
         self.calls.assign_add(times)
         self.bytes.assign_add(tf.cast(payload, tf.int64) * times)
@@ -66,12 +61,60 @@ class CommunicationCounter:
         }
 
 
-def _payload_bytes(value, compressor):
+def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_pack=None):
+    """The bytes one replica sends to aggregate `values`, as they travel.
+
+    Sparse values (`tf.IndexedSlices`: their rows and indices) travel
+    exactly, and so do dense ones a stateful compressor does not act on. A
+    cast compresses every dense value (`wire_bytes`); an
+    `ErrorFeedbackCompressor` sends the values it acts on in its own
+    buffers (`payload_bytes`), and uncompressed before its `start_step`.
+
+    Args:
+        values: this replica's tensors or `tf.IndexedSlices`.
+        compressor: the `tf_agn.compression` compressor they travel in, or
+            None.
+        step: for an `ErrorFeedbackCompressor` with a `start_step`: the
+            optimizer's step, a scalar integer tensor.
+        num_replicas, bytes_per_pack: for an `ErrorFeedbackCompressor`: the
+            replicas of all workers, and the most bytes one of its packs
+            holds (the `bytes_per_pack` of the strategy's ops).
+
+    Returns:
+        An int; a scalar int64 tensor where the count depends on `step` or
+        on a shape unknown while tracing (the rows of an `IndexedSlices`).
+    """
+    compressed = [v for v in values if _compresses(compressor, v)]
+    exact = sum(_exact_bytes(v) for v in values if not _compresses(compressor, v))
+    if not compressed:
+        return exact
+    if not is_stateful(compressor):
+        return exact + sum(compressor.wire_bytes(v.shape, v.dtype) for v in compressed)
+    sent = compressor.payload_bytes([v.shape for v in compressed], num_replicas, bytes_per_pack)
+    if compressor.start_step:
+        # Until then `combine_with_state` sums them uncompressed.
+        uncompressed = sum(_exact_bytes(v) for v in compressed)
+        sent = tf.where(
+            step < compressor.start_step,
+            tf.constant(uncompressed, tf.int64),
+            tf.constant(sent, tf.int64),
+        )
+    return exact + sent
+
+
+def _compresses(compressor, value):
+    """Whether `value` travels in `compressor`'s form (as
+    `tf_agn.AggregatingAllReduce.aggregate` routes it)."""
+    if compressor is None or isinstance(value, tf.IndexedSlices):
+        return False
+    if not value.shape.is_fully_defined():
+        return False
+    return not is_stateful(compressor) or compressor.acts_on(value.dtype)
+
+
+def _exact_bytes(value):
     if isinstance(value, tf.IndexedSlices):
-        return _payload_bytes(value.values, None) + _payload_bytes(value.indices, None)
-    if compressor is not None and value.shape.is_fully_defined():
-        if not is_stateful(compressor) or compressor.acts_on(value.dtype):
-            return compressor.wire_bytes(value.shape, value.dtype)
+        return _exact_bytes(value.values) + _exact_bytes(value.indices)
     num_elements = value.shape.num_elements()
     if num_elements is None:  # e.g. the rows of an IndexedSlices
         num_elements = tf.size(value, out_type=tf.int64)

@@ -8,6 +8,7 @@ from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import replica_weight
 from tf_agn.aggregation import scale_value
+from tf_agn.communication import payload_bytes
 from tf_agn.cross_device_ops import AggregatingAllReduce
 
 
@@ -130,8 +131,19 @@ def aggregate(
             "multi_worker_mirrored); this strategy's ops are "
             f"{type(_compat.cross_device_ops(context.strategy.extended, required=False)).__name__}."
         )
-    if counter is not None:
-        counter.record(tensors, method, compressor, when)
+    if counter is not None and method is not AggregationMethod.NONE:
+        counter.record(
+            payload_bytes(
+                tensors,
+                compressor,
+                step,
+                context.num_replicas_in_sync,
+                # Only a stateful compressor's packs depend on it, and any
+                # compressor needs tf_agn's ops.
+                None if ops is None else ops.bytes_per_pack,
+            ),
+            when,
+        )
     if method is AggregationMethod.NONE:
         combined = [scale_value(v, value_scale) for v in tensors]
         if when is not None:

@@ -27,6 +27,9 @@ Int8 and PowerSGD keep error feedback
 (`tf_agn.compression.ErrorFeedbackCompressor`): each replica's residual,
 what compression dropped, is sent with the next step, so nothing is lost.
 Their state is optimizer state (see `tf_agn.optimizers.Aggregating`).
+Sparse gradients (`tf.IndexedSlices`) always travel uncompressed: name
+their variables in the optimizer's `sparse_gradients` and no state is
+made for them (`tf_agn.optimizers.compression_state`).
 
 A user's own compressor subclasses `Compressor` (stateless, element by
 element) or `ErrorFeedbackCompressor` (stateful); register it with

@@ -61,8 +61,9 @@ class ErrorFeedbackCompressor:
 
     Subclasses set `name` and implement `state_spec`, `combine` and
     `wire_bytes` (and `residual`, if they keep the residual other than as
-    a state named "residual"); `tf_agn.compression.Int8` is a complete
-    example. Values
+    a state named "residual", and `payload_bytes`, if `combine`'s buffers
+    hold more than each value's `wire_bytes`); `tf_agn.compression.Int8`
+    is a complete example. Values
     travel compressed only where `acts_on` their dtype (float32); the
     others travel exactly.
 
@@ -70,9 +71,10 @@ class ErrorFeedbackCompressor:
         error_feedback: whether to keep each replica's residual and add it
             to the next value it sends. Without it, what compression drops
             is lost: useful only to measure what error feedback buys.
-        start_step: the number of optimizer steps (`optimizer.iterations`,
-            micro-steps included) during which values travel uncompressed
-            and the state is left alone, as PyTorch's
+        start_step: the number of optimizer steps (`optimizer.iterations`:
+            with gradient accumulation, applied steps, not micro-steps;
+            for a windowed optimizer, commits) during which values travel
+            uncompressed and the state is left alone, as PyTorch's
             `start_powerSGD_iter`: early gradients change fastest, and
             compressing them costs the most accuracy. 0 (the default)
             compresses from the first step; where the first steps'
@@ -173,7 +175,9 @@ class ErrorFeedbackCompressor:
 
     def wire_bytes(self, shape, dtype):
         """The bytes one replica sends for a value of `shape` and `dtype`
-        that this compressor acts on.
+        that this compressor acts on, taken alone: what compression makes
+        of it, before any padding `combine` adds to its buffers
+        (`payload_bytes` counts that).
 
         Args:
             shape: a fully defined `tf.TensorShape`.
@@ -183,6 +187,28 @@ class ErrorFeedbackCompressor:
             An int.
         """
         raise NotImplementedError
+
+    def payload_bytes(self, shapes, num_replicas, bytes_per_pack):
+        """The bytes one replica puts in the buffers it sends when `combine`
+        combines float32 values of `shapes`: what
+        `tf_agn.CommunicationCounter` counts, from `start_step` on.
+
+        By default the sum of the values' `wire_bytes`, which is right for
+        buffers that hold each value's payload and nothing else
+        (PowerSGD's). A compressor that pads its buffers counts the padding
+        (`tf_agn.compression.Int8`).
+
+        Args:
+            shapes: the values' fully defined `tf.TensorShape`s, in the
+                order `combine` receives them.
+            num_replicas: the replicas of all workers (`communicator.size`).
+            bytes_per_pack: as `combine` takes it.
+
+        Returns:
+            An int.
+        """
+        del num_replicas, bytes_per_pack  # Nothing is padded.
+        return sum(self.wire_bytes(shape, tf.float32) for shape in shapes)
 
     def get_config(self):
         """The constructor arguments, as a dict of Python values."""

@@ -77,8 +77,34 @@ class Int8(ErrorFeedbackCompressor):
         return {"residual": StateSpec(shape, "zeros")}
 
     def wire_bytes(self, shape, dtype):
+        """A code per element and a float32 scale per chunk, the last one
+        counted as partly filled: without the padding that `encode` gives
+        the last chunk, or that `combine` gives its packs
+        (`payload_bytes`)."""
         elements = shape.num_elements()
         return elements + 4 * -(-elements // self.chunk_size)
+
+    def payload_bytes(self, shapes, num_replicas, bytes_per_pack):
+        """What each replica puts in `combine`'s all-to-all: every pack's
+        codes, padded so that each replica's part is whole chunks, and a
+        float32 scale per chunk. (Its all-gather then sends its own part of
+        each pack to every other replica: about as many bytes again, as a
+        ring all-reduce sends its payload twice.)
+
+        For example, one pack of 1000 values among 4 replicas, in chunks of
+        512, is padded to 4 parts of 512 codes:
+
+        ```python
+        int8 = tf_agn.compression.Int8(chunk_size=512)
+        int8.wire_bytes(tf.TensorShape([1000]), tf.float32)  # 1000 + 2 * 4
+        int8.payload_bytes([tf.TensorShape([1000])], 4, 2**22)  # 2048 + 4 * 4
+        ```
+        """
+        sizes = [(tf.float32, shape.num_elements()) for shape in shapes]
+        return sum(
+            layout.wire_bytes
+            for _, layout in _plan(sizes, num_replicas, self.chunk_size, bytes_per_pack)
+        )
 
     def get_config(self):
         return {"chunk_size": self.chunk_size, **super().get_config()}
@@ -106,10 +132,8 @@ class Int8(ErrorFeedbackCompressor):
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        # The pack's padded length is a multiple of every part's chunks.
-        for pack in packing.plan_packs(sizes, bytes_per_pack):
+        for pack, layout in _plan(sizes, communicator.size, self.chunk_size, bytes_per_pack):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
-            layout = _Layout(sum(sizes[i][1] for i in pack), communicator.size, self.chunk_size)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
                 residuals = [states[r][i]["residual"] for i in pack] if self.error_feedback else []
@@ -168,6 +192,22 @@ class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size"
     @property
     def chunks_per_part(self):
         return self.part_length // self.chunk_size
+
+    @property
+    def wire_bytes(self):
+        """The bytes of one replica's buffer: the padded codes, and a
+        float32 scale per chunk (`_to_wire`)."""
+        return self.padded + 4 * self.parts * self.chunks_per_part
+
+
+def _plan(sizes, parts, chunk_size, bytes_per_pack):
+    """The packs of values of `sizes` (`(dtype, num_elements)` pairs), each
+    as its indices and its `_Layout` among `parts` replicas: its padded
+    length is a multiple of every part's chunks."""
+    return [
+        (pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size))
+        for pack in packing.plan_packs(sizes, bytes_per_pack)
+    ]
 
 
 def quantize(chunks):

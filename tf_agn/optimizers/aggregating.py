@@ -17,7 +17,10 @@ from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
 from tf_agn.optimizers.compression_state import add_compression_state
+from tf_agn.optimizers.compression_state import check_gradients
+from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
+from tf_agn.optimizers.compression_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.replica_aggregation import aggregate_gradients
 from tf_agn.replica_aggregation import default_aggregation
@@ -67,6 +70,13 @@ class Aggregating:
             state with error feedback, as optimizer variables after
             Keras's own (see `tf_agn.optimizers.compression_state`).
             With gradient accumulation the window is compressed, once.
+        sparse_gradients: None, or a list of regular expressions naming
+            (searched for in `variable.path`) the variables whose gradients
+            are sparse (`tf.IndexedSlices`, as an `Embedding` table's):
+            they travel uncompressed, so the compressor keeps no state for
+            them. Name layers: `sparse_gradients=["words"]` for
+            `keras.layers.Embedding(..., name="words")`. See
+            `tf_agn.optimizers.compression_state`.
         accumulation_reduction: with `gradient_accumulation_steps=k`, how a
             replica's k micro-step gradients are combined: "mean" (default,
             Keras' own: a step on a k times larger batch) or "sum" (k times
@@ -77,13 +87,20 @@ class Aggregating:
 
     Raises:
         ValueError: for an unknown aggregation method, compression or
-            accumulation reduction, a bad `gradient_accumulation_steps`, or
-            accumulation together with `use_ema`; when training, for a
-            compression under cross-device ops other than tf_agn's.
+            accumulation reduction, bad `sparse_gradients` or
+            `gradient_accumulation_steps`, or accumulation together with
+            `use_ema`; when training, for a compression under cross-device
+            ops other than tf_agn's, or a dense gradient of a variable
+            `sparse_gradients` names.
     """
 
     # The constructor arguments this mixin adds to a Keras optimizer's.
-    SETTINGS = ("aggregation_method", "accumulation_reduction", "compression")
+    SETTINGS = (
+        "aggregation_method",
+        "accumulation_reduction",
+        "compression",
+        "sparse_gradients",
+    )
 
     def __init__(
         self,
@@ -91,6 +108,7 @@ class Aggregating:
         aggregation_method=None,
         accumulation_reduction="mean",
         compression=None,
+        sparse_gradients=None,
         **kwargs,
     ):
         if "gradient_accumulation_steps" in kwargs:
@@ -105,6 +123,7 @@ class Aggregating:
             accumulation_reduction
         )
         self.compression = compression_lib.get(compression)
+        self.sparse_gradients = check_sparse_gradients(sparse_gradients)
         if self.gradient_accumulation_steps and self.use_ema:
             raise ValueError(
                 "tf_agn's optimizers do not combine gradient_accumulation_steps "
@@ -133,16 +152,19 @@ class Aggregating:
         method = self.resolved_aggregation
         # With NONE nothing travels, so nothing is compressed or kept.
         compressor = None if method is AggregationMethod.NONE else self.resolved_compression
+        # An accumulated window is dense, whatever the gradients were.
+        sparse = None if self.gradient_accumulation_steps else self.sparse_gradients
         agreement.check_optimizer_agreement(
             self,
             method,
             compressor,
             ("gradient_accumulation_steps", self.gradient_accumulation_steps),
             variables,
+            [declared_sparse(sparse, v) for v in variables],
         )
         super().build(variables)
         self._communication = CommunicationCounter(self)
-        self._compression_state = add_compression_state(self, variables, compressor)
+        self._compression_state = add_compression_state(self, variables, compressor, sparse)
 
     def compression_arguments(self, variables):
         """What `aggregate` takes to compress the gradients of `variables`:
@@ -219,11 +241,10 @@ class Aggregating:
         _compat.apply_weight_decay_in_place(self, variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        arguments = self.compression_arguments(trainable_variables)
+        check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
         grads = aggregate_gradients(
-            grads,
-            self.resolved_aggregation,
-            self._communication,
-            **self.compression_arguments(trainable_variables),
+            grads, self.resolved_aggregation, self._communication, **arguments
         )
         self._apply_combined(grads, trainable_variables, learning_rate)
 
@@ -237,6 +258,7 @@ class Aggregating:
         config["aggregation_method"] = None if method is None else method.value
         config["accumulation_reduction"] = self.accumulation_reduction
         config["compression"] = compression_lib.serialize(self.compression)
+        config["sparse_gradients"] = self.sparse_gradients
         return config
 
 

@@ -8,6 +8,7 @@ from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
+from tf_agn.optimizers.compression_state import check_sparse_gradients
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
@@ -60,6 +61,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "fp16", "bf16", "int8", `tf_agn.compression.PowerSGD(rank=r)`
             or any `tf_agn.compression` compressor; see
             `tf_agn.optimizers.Aggregating`.
+        sparse_gradients: None (the wrapped optimizer's own if it is one of
+            tf_agn's), or a list of regular expressions naming the
+            variables whose gradients are sparse, which get no compressor
+            state; see `tf_agn.optimizers.Aggregating`.
         name: the wrapper's name.
 
     Raises:
@@ -67,8 +72,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             `learning_rate` (the wrapped optimizer's is the one used).
         ValueError: if `optimizer` is already built, is a
             `LossScaleOptimizer`, `aggregation_method` or
-            `accumulation_reduction` or `compression` is unknown, one of
-            these three differs from the wrapped optimizer's own, or
+            `accumulation_reduction`, `compression` or `sparse_gradients`
+            is bad, one of these four differs from the wrapped
+            optimizer's own, or
             `gradient_accumulation_steps` is bad or set twice.
     """
 
@@ -80,6 +86,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         gradient_accumulation_steps=None,
         accumulation_reduction=None,
         compression=None,
+        sparse_gradients=None,
         **kwargs,
     ):
         if "learning_rate" in kwargs:
@@ -111,6 +118,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "aggregation_method": (aggregation_method, _method_value),
             "accumulation_reduction": (accumulation_reduction, check_accumulation_reduction),
             "compression": (compression, _compression_value),
+            "sparse_gradients": (sparse_gradients, check_sparse_gradients),
         }
         config = optimizer.get_config()
         for setting, (value, canonical) in settings.items():
@@ -136,8 +144,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         Args:
             optimizer: the optimizer being wrapped.
-            setting: "aggregation_method", "accumulation_reduction" or
-                "compression".
+            setting: "aggregation_method", "accumulation_reduction",
+                "compression" or "sparse_gradients".
             value: what the wrapper was given, None for the optimizer's own
                 (None again where it has none: the strategy's default).
             canonical: maps a given value to its config form; it raises for
@@ -236,6 +244,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "aggregation_method": None if method is None else method.value,
             "accumulation_reduction": self.inner_optimizer.accumulation_reduction,
             "compression": compression_lib.serialize(self.inner_optimizer.compression),
+            "sparse_gradients": self.inner_optimizer.sparse_gradients,
         }
 
     @classmethod
@@ -253,3 +262,4 @@ def _method_value(method):
 
 def _compression_value(compression):
     return compression_lib.serialize(compression_lib.get(compression))
+

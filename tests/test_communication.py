@@ -1,0 +1,205 @@
+"""What `communication_stats` counts is what travels: float32 before a
+stateful compressor's `start_step`, and int8's padded packs.
+
+Every expected count is worked out here by hand from the shapes; the
+compressors' buffers are measured by a communicator that records what
+each replica hands each collective.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from conftest import DEVICES
+from conftest import NUM_REPLICAS
+from tf_agn import compression
+from tf_agn.communication import payload_bytes
+from tf_agn.compression.error_feedback import combine_with_state
+from tf_agn.local_transport import LocalCommunicator
+
+BATCH = 64
+# The model's 20x64 and 64x3 kernels and their biases.
+FLOAT32_BYTES = 4 * (20 * 64 + 64 + 64 * 3 + 3)
+
+
+def build(strategy, compressor, **kwargs):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((20,)),
+                keras.layers.Dense(64, activation="tanh"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(tf_agn.optimizers.SGD(0.1, compression=compressor, **kwargs), "mse")
+    return model
+
+
+def fit_steps(model, steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * BATCH, 20)).astype("float32")
+    y = rng.normal(size=(steps * BATCH, 3)).astype("float32")
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+
+
+@pytest.mark.parametrize(
+    "compressor, compressed_bytes",
+    [
+        # One pack of the 1539 values, padded so that each of the 4
+        # replicas' parts is one whole chunk of 512: 2048 codes, 4 scales.
+        (compression.Int8(start_step=3), 2048 + 4 * 4),
+        # Rank 2: the 20x64 kernel as (20 + 64) * 2 floats; the 64x3 one
+        # (64 * 3 < 2 * (64 + 3) * 2) and the biases whole.
+        (compression.PowerSGD(rank=2, start_step=3), 4 * ((20 + 64) * 2 + 64 + 64 * 3 + 3)),
+    ],
+    ids=["int8", "powersgd"],
+)
+def test_float32_is_counted_before_start_step_then_what_compression_sends(
+    compressor, compressed_bytes
+):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build(strategy, compressor)
+    plain = build(strategy, None)
+    fit_steps(model, 2)
+    fit_steps(plain, 2)
+    # Steps 0 and 1 travelled as float32: the same weights as uncompressed.
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert model.optimizer.communication_stats() == {
+        "all_reduce_calls": 2,
+        "bytes_sent": 2 * FLOAT32_BYTES,
+    }
+    fit_steps(model, 3)  # steps 2, 3 and 4: the last two compressed
+    assert model.optimizer.communication_stats() == {
+        "all_reduce_calls": 5,
+        "bytes_sent": 3 * FLOAT32_BYTES + 2 * compressed_bytes,
+    }
+
+
+def test_start_step_counts_applied_steps_under_accumulation():
+    """With 2 micro-steps per step, 4 micro-steps are 2 aggregations: the
+    first before `start_step=1`, as float32; the second as int8."""
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build(strategy, compression.Int8(start_step=1), gradient_accumulation_steps=2)
+    fit_steps(model, 4)
+    assert model.optimizer.communication_stats() == {
+        "all_reduce_calls": 2,
+        "bytes_sent": FLOAT32_BYTES + 2048 + 4 * 4,
+    }
+
+
+class RecordingCommunicator(LocalCommunicator):
+    """A local communicator that adds up, per collective, the bytes of
+    the buffer replica 0 hands it (every replica hands one alike)."""
+
+    def __init__(self, devices):
+        super().__init__(devices, devices[0])
+        self.sent = {"all_reduce": 0, "all_to_all": 0, "all_gather": 0}
+
+    def _record(self, name, tensors):
+        self.sent[name] += tensors[0].shape.num_elements() * tensors[0].dtype.size
+
+    def all_reduce(self, tensors):
+        self._record("all_reduce", tensors)
+        return super().all_reduce(tensors)
+
+    def all_to_all(self, tensors):
+        self._record("all_to_all", tensors)
+        return super().all_to_all(tensors)
+
+    def all_gather(self, tensors):
+        self._record("all_gather", tensors)
+        return super().all_gather(tensors)
+
+
+def initial_states(compressor, shapes):
+    """Every replica's state for values of `shapes`, as it starts."""
+    states = []
+    for device in DEVICES:
+        with tf.device(device):
+            replica = []
+            for shape in shapes:
+                state = {}
+                for name, spec in compressor.state_spec(tf.TensorShape(shape)).items():
+                    initial = spec.initializer if callable(spec.initializer) else tf.zeros
+                    state[name] = initial(spec.shape, tf.float32)
+                replica.append(state)
+        states.append(replica)
+    return states
+
+
+# Packs of at most 1200 bytes: the first value alone, then the other two.
+BYTES_PER_PACK = 1200
+
+
+@pytest.mark.parametrize(
+    "compressor, shapes, compressed_bytes",
+    [
+        # Chunks of 64 among 4 replicas: packs padded to multiples of 256,
+        # 300 values to 512 (8 chunks), 7 * 11 + 5 = 82 to 256 (4 chunks).
+        (
+            compression.Int8(chunk_size=64, start_step=1),
+            [(300,), (7, 11), (5,)],
+            (512 + 8 * 4) + (256 + 4 * 4),
+        ),
+        # Rank 2: P (64 x 2) and Q (2 x 32) for the 64x32 matrix; the
+        # vector and the 8x4 matrix (32 < 2 * 12 * 2) whole.
+        (
+            compression.PowerSGD(rank=2, start_step=1),
+            [(64, 32), (32,), (8, 4)],
+            4 * (64 * 2 + 2 * 32 + 32 + 8 * 4),
+        ),
+    ],
+    ids=["int8", "powersgd"],
+)
+@pytest.mark.parametrize("step", [0, 1], ids=["before_start_step", "from_start_step"])
+def test_the_count_is_the_bytes_of_the_buffers_sent(compressor, shapes, compressed_bytes, step):
+    assert NUM_REPLICAS == 4
+    rng = np.random.default_rng(0)
+    values = []
+    for device in DEVICES:
+        with tf.device(device):
+            values.append([tf.constant(rng.normal(size=s), tf.float32) for s in shapes])
+    communicator = RecordingCommunicator(DEVICES)
+    combine_with_state(
+        compressor,
+        communicator,
+        values,
+        initial_states(compressor, shapes),
+        [1.0] * NUM_REPLICAS,
+        BYTES_PER_PACK,
+        jit_compile=False,
+        step=tf.constant(step, tf.int64),
+    )
+    float32_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
+    want = float32_bytes if step < compressor.start_step else compressed_bytes
+    # The payload: the all-reduces, and int8's all-to-all; int8's
+    # all-gather sends each replica's part of it on.
+    sent = communicator.sent["all_reduce"] + communicator.sent["all_to_all"]
+    assert sent == want
+    assert communicator.sent["all_gather"] * NUM_REPLICAS == (
+        communicator.sent["all_to_all"]
+    )
+    counted = payload_bytes(
+        values[0], compressor, tf.constant(step, tf.int64), NUM_REPLICAS, BYTES_PER_PACK
+    )
+    assert int(counted) == want
+    assert compressor.payload_bytes(
+        [tf.TensorShape(s) for s in shapes], NUM_REPLICAS, BYTES_PER_PACK
+    ) == compressed_bytes
+
+
+def test_int8_pads_every_pack_for_the_replicas():
+    int8 = compression.Int8(chunk_size=512)
+    shape = tf.TensorShape([1000])
+    assert int8.wire_bytes(shape, tf.float32) == 1000 + 2 * 4
+    # 2 replicas: 1024 codes; 4: 2048; one replica's part is whole chunks.
+    assert int8.payload_bytes([shape], 2, 2**22) == 1024 + 2 * 4
+    assert int8.payload_bytes([shape], 4, 2**22) == 2048 + 4 * 4
+    # Two values that share a pack share its padding; apart, each pads.
+    pair = [tf.TensorShape([600]), tf.TensorShape([400])]
+    assert int8.payload_bytes(pair, 2, 2**22) == 1024 + 2 * 4
+    assert int8.payload_bytes(pair, 2, 600 * 4) == 2 * (1024 + 2 * 4)
