@@ -77,10 +77,9 @@ class Int8(ErrorFeedbackCompressor):
         return {"residual": StateSpec(shape, "zeros")}
 
     def wire_bytes(self, shape, dtype):
-        """A code per element and a float32 scale per chunk, the last one
-        counted as partly filled: without the padding that `encode` gives
-        the last chunk, or that `combine` gives its packs
-        (`payload_bytes`)."""
+        """A code per element and a float32 scale per chunk: what `encode`
+        sends for one value, and without the padding that `combine` gives
+        its packs (`payload_bytes`)."""
         elements = shape.num_elements()
         return elements + 4 * -(-elements // self.chunk_size)
 
@@ -117,15 +116,21 @@ class Int8(ErrorFeedbackCompressor):
         padded = -(-length // self.chunk_size) * self.chunk_size
         flat = tf.pad(flat, [[0, padded - length]])
         codes, scales = quantize(tf.reshape(flat, [-1, self.chunk_size]))
+        # The padding's codes are 0 and do not travel: `wire_bytes` is
+        # what the payload holds.
+        payload = (tf.reshape(codes, [-1])[:length], scales)
         if not self.error_feedback:
-            return (codes, scales), {}
+            return payload, {}
         error = flat - tf.reshape(dequantize(codes, scales), [-1])
-        return (codes, scales), {"residual": tf.reshape(error[:length], value.shape)}
+        return payload, {"residual": tf.reshape(error[:length], value.shape)}
 
     def decode(self, payload, shape, dtype):
         codes, scales = payload
+        length = shape.num_elements()
+        padded = -(-length // self.chunk_size) * self.chunk_size
+        codes = tf.reshape(tf.pad(codes, [[0, padded - length]]), [-1, self.chunk_size])
         flat = tf.reshape(dequantize(codes, scales), [-1])
-        return tf.cast(tf.reshape(flat[: shape.num_elements()], shape), dtype)
+        return tf.cast(tf.reshape(flat[:length], shape), dtype)
 
     def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
         devices = communicator.devices
