@@ -703,6 +703,7 @@ def run_convergence(strategy, ops, model_name, data_name, verdicts, say):
         f"{'ours - this':>13}{'seconds':>9}"
     )
     accuracies = {}
+    sent_uncompressed = None  # `ours`', which runs first
     for name in [*COMPRESSIONS, *CONVERGENCE_ONLY]:
         start = time.perf_counter()
         per_seed = []
@@ -712,6 +713,10 @@ def run_convergence(strategy, ops, model_name, data_name, verdicts, say):
             )
             fit(model, dataset, FLAGS.convergence_steps)
             per_seed.append(accuracy(model, x_test, y_test))
+            if name == "ours":
+                sent_uncompressed = bytes_sent(model)
+            else:
+                check_compressed(name, bytes_sent(model), sent_uncompressed)
             del model
             gc.collect()
         accuracies[name] = float(np.mean(per_seed))
@@ -731,6 +736,22 @@ def run_convergence(strategy, ops, model_name, data_name, verdicts, say):
             limit,
             f"({letter}) {title}, {data_name}: {name}'s accuracy is {{value}} below ours' "
             f"(target <= {limit:g} points).",
+        )
+
+
+def check_compressed(name, sent, sent_uncompressed):
+    """Raises unless candidate `name` sent fewer bytes than the
+    uncompressed candidate's `sent_uncompressed`: an accuracy compared
+    without compression is no verdict.
+
+    Raises:
+        RuntimeError: naming the candidate and both byte counts.
+    """
+    if not sent < sent_uncompressed:
+        raise RuntimeError(
+            f"{name} sent {sent} gradient bytes, not fewer than uncompressed "
+            f"training's {sent_uncompressed}: it did not compress (a start_step "
+            "past --convergence_steps?)."
         )
 
 
