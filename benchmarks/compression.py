@@ -65,8 +65,11 @@ next step instead of losing it. Four parts measure these sides:
    best a faster network could give it.
 
 3. **Bytes on ResNet-50's gradients** (25.6M float32 values, the shapes
-   of `allreduce.py`'s `resnet50` set): each compressor's `wire_bytes`
-   summed over the tensors, against float32. Computed, not timed.
+   of `allreduce.py`'s `resnet50` set): what one replica sends with each
+   compressor, as `communication_stats()` counts it
+   (`tf_agn.communication.payload_bytes`: tf_agn's default packs across
+   `--num_workers` replicas, int8's padding included), against float32.
+   Computed, not timed.
 
 4. **Convergence**: test accuracy on each data set of `--convergence_data`
    (by default `mnist5k`, 4,000 training and 1,000 test images, which
@@ -127,6 +130,8 @@ import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
 import shaped_link  # noqa: E402  (benchmarks/shaped_link.py)
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
+from tf_agn import communication  # noqa: E402
+from tf_agn.packing import DEFAULT_BYTES_PER_PACK  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
 
 # Targets.
@@ -532,14 +537,14 @@ def codec_fn(name, values, scale):
     return stateful
 
 
-def sent_bytes(name, shapes):
+def sent_bytes(compressor, shapes):
     """The bytes one replica sends per step of gradients of `shapes` with
-    candidate `name`, by its compressor's `wire_bytes` (float32 without)."""
-    compressor = tf_agn.compression.get(COMPRESSIONS[name]())
-    shapes = [tf.TensorShape(s) for s in shapes]
-    if compressor is None:
-        return sum(4 * s.num_elements() for s in shapes)
-    return sum(compressor.wire_bytes(s, tf.float32) for s in shapes)
+    `compressor` (None for float32) across `--num_workers` replicas, in
+    tf_agn's default packs, as `communication_stats()` counts them."""
+    values = [tf.TensorSpec(s, tf.float32) for s in shapes]
+    return communication.payload_bytes(
+        values, compressor, num_replicas=FLAGS.num_workers, bytes_per_pack=DEFAULT_BYTES_PER_PACK
+    )
 
 
 def checksum(tensors):
@@ -589,7 +594,7 @@ def run_codec(say, floor_ms=None):
 
     allreduce.time_rounds({name: timed(name) for name in functions}, FLAGS.repeats)
     ms = {name: 1e3 * np.median(s) for name, s in samples.items()}
-    wire = {name: sent_bytes(name, shapes) for name in names}
+    wire = {name: sent_bytes(tf_agn.compression.get(COMPRESSIONS[name]()), shapes) for name in names}
     say(
         f"\n-- codec: one replica's arithmetic on the MLP {mlp_layers(FLAGS.hidden_units)}'s "
         f"gradients, nothing sent --\n"
@@ -643,7 +648,7 @@ def run_bytes(verdicts, say):
     reduction = {}
     for name, make in WIRE_COMPRESSORS.items():
         compressor = make()
-        sent = sum(compressor.wire_bytes(s, tf.float32) for s in shapes)
+        sent = sent_bytes(compressor, shapes)
         reduction[name] = float32 / sent
         say(f"  {name:<14}{sent:>14,}{reduction[name]:>14.1f}")
     say(f"  {'float32':<14}{float32:>14,}{1:>14.1f}")
