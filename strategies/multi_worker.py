@@ -24,28 +24,39 @@ from tf_agn.strategies import tf_config
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
-    """`tf.distribute.MultiWorkerMirroredStrategy` whose `reduce` takes what
-    Keras 3's `fit` gives it (keras-team/keras#20585, tensorflow#72388).
+    """`tf.distribute.MultiWorkerMirroredStrategy`, with TensorFlow's own
+    collectives, under which Keras 3's `fit` and `evaluate` run
+    (keras-team/keras#20585, tensorflow#72388).
 
-    Stock, `fit` fails twice under this strategy:
+    Use it to train with stock Keras, or to compare tf_agn's aggregation
+    with TensorFlow's own communication; `multi_worker_mirrored()` builds
+    the strategy with tf_agn's ops.
 
-    1. `_maybe_symbolic_build` reduces the first (x, y) batch with one
-       `strategy.reduce("MEAN", batch, axis=None)`. `MirroredStrategy` maps
-       that over the nest; this strategy does not ("Attempt to convert a
-       value (PerReplica...) with an unsupported type to a Tensor").
-    2. Every per-replica log (the scalar loss) is reduced with
-       `strategy.reduce("MEAN", value, axis=0)`, which fails on a scalar
-       ("Invalid reduction dimension 0 for input with 0 dimensions").
+    Args:
+        cluster_resolver: as `tf.distribute.MultiWorkerMirroredStrategy`'s;
+            None reads `TF_CONFIG`.
+        communication_options: as `tf.distribute.MultiWorkerMirroredStrategy`'s.
 
-    Here `reduce` takes nests leaf by leaf, and reduces a scalar across
-    replicas only, as Keras does for scalars under `MirroredStrategy`.
-    The batch of (1) holds integer labels: their MEAN is the float64 mean,
-    as TensorFlow's own reductions answer it (`MirroredStrategy` sends
-    int32 values to `ReductionToOneDevice`), which tf_agn's ops, refusing
-    an integer MEAN, would not give. Gradients do not pass through
-    `reduce`; they go through the optimizer's all-reduce.
+    Example:
+
+    ```python
+    strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(dataset, epochs=2)
+    ```
     """
 
+    # Stock, `fit` fails twice under this strategy: `_maybe_symbolic_build`
+    # reduces the first (x, y) batch with one `strategy.reduce("MEAN",
+    # batch, axis=None)`, which `MirroredStrategy` maps over the nest and
+    # this strategy does not ("Attempt to convert a value (PerReplica...)
+    # with an unsupported type to a Tensor"); and every per-replica log
+    # (the scalar loss) is reduced with `axis=0`, which fails on a scalar
+    # ("Invalid reduction dimension 0"). So `reduce` takes nests leaf by
+    # leaf and reduces a scalar across replicas only, as Keras does under
+    # `MirroredStrategy`. Gradients do not pass through `reduce`.
     def reduce(self, reduce_op, value, axis=None):
         return tf.nest.map_structure(
             lambda leaf: self._reduce_leaf(reduce_op, leaf, axis), value
@@ -57,6 +68,10 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
             axis = None
         # With an axis, `reduce` sums per replica and counts by itself.
         is_mean = tf.distribute.ReduceOp(reduce_op) == tf.distribute.ReduceOp.MEAN
+        # The batch's integer labels: their MEAN is the float64 mean, as
+        # TensorFlow's own reductions answer it (`MirroredStrategy` sends
+        # int32 values to `ReductionToOneDevice`), which tf_agn's ops,
+        # refusing an integer MEAN, would not give.
         if axis is None and is_mean and tf.as_dtype(local.dtype).is_integer:
             total = super().reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
             return total / self.num_replicas_in_sync

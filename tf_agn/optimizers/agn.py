@@ -32,7 +32,8 @@ class AGN(WindowedOptimizer):
     and a round of n commits moves the center by about n normalized steps,
     all computed from centers up to n − 1 commits old. Once n exceeds λ
     that overshoots: on MNIST with Adam(1e-3), AGN at n = 20, λ = 10
-    oscillates and ends near 0.55 test accuracy, where n = 10 reaches 0.93.
+    oscillates and ends at 0.39 test accuracy (benchmarks/README.md), where
+    n = 10 reaches 0.93 and staleness-scaled AGN 0.91.
     Scaling each commit by min(1, λ / (τ + 1)) caps a round's movement at
     about λ steps, which is the paper's advice to grow λ with n (λ ≈
     (n + layers) / 2) applied by the server, without retuning λ. Commits
@@ -65,6 +66,9 @@ class AGN(WindowedOptimizer):
         staleness_scaling: whether the server scales a commit τ commits
             stale by min(1, λ / (τ + 1)); default False, the paper's AGN.
         name: the optimizer's name.
+        compression: how each commit's Δ travels, synchronously and to a
+            parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
+        **kwargs: more arguments of `tf_agn.optimizers.WindowedOptimizer`.
 
     Raises:
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3

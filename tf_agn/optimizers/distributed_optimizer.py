@@ -13,7 +13,7 @@ from tf_agn.optimizers.compression_state import check_sparse_gradients
 
 @keras.saving.register_keras_serializable(package="tf_agn")
 class DistributedOptimizer(keras.optimizers.Optimizer):
-    """Wraps a Keras optimizer so replicas combine gradients by `aggregation`.
+    """Wraps a Keras optimizer so replicas combine gradients by `aggregation_method`.
 
     The wrapped optimizer keeps its own update rule, state and
     hyperparameters; only the communication changes (see
@@ -66,6 +66,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             variables whose gradients are sparse, which get no compressor
             state; see `tf_agn.optimizers.Aggregating`.
         name: the wrapper's name.
+        **kwargs: more arguments of `keras.optimizers.Optimizer` for the
+            wrapper (`learning_rate` is refused).
 
     Raises:
         TypeError: if `optimizer` is not a Keras 3 optimizer, or given a

@@ -29,6 +29,9 @@ class DOWNPOUR(WindowedOptimizer):
         reset_inner_state: whether the inner optimizer's state is cleared at
             every commit.
         name: the optimizer's name.
+        compression: how each commit's Δ travels, synchronously and to a
+            parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
+        **kwargs: more arguments of `tf_agn.optimizers.WindowedOptimizer`.
 
     Raises:
         TypeError: if an optimizer is not a Keras 3 optimizer.

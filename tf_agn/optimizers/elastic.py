@@ -33,6 +33,9 @@ class AEASGD(WindowedOptimizer):
         reset_inner_state: whether the inner optimizer's state is cleared at
             every exchange.
         name: the optimizer's name.
+        compression: how each exchange's E travels, synchronously and to a
+            parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
+        **kwargs: more arguments of `tf_agn.optimizers.WindowedOptimizer`.
 
     Raises:
         TypeError: if given a `learning_rate`: η is `elastic_learning_rate`,

@@ -77,6 +77,9 @@ class WindowedOptimizer(DistributedOptimizer):
             server decompresses (`tf_agn.strategies.commit_server`). The
             local steps send nothing.
         name: the optimizer's name.
+        **kwargs: more arguments of `tf_agn.optimizers.DistributedOptimizer`
+            for the commits: `accumulation_reduction` and
+            `sparse_gradients` (`gradient_accumulation_steps` is refused).
 
     Raises:
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
