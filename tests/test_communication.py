@@ -6,12 +6,12 @@ compressors' buffers are measured by a communicator that records what
 each replica hands each collective.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_agn
+from compression_model import build as build_model
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from tf_agn import compression
@@ -25,17 +25,9 @@ FLOAT32_BYTES = 4 * (20 * 64 + 64 + 64 * 3 + 3)
 
 
 def build(strategy, compressor, **kwargs):
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [
-                keras.Input((20,)),
-                keras.layers.Dense(64, activation="tanh"),
-                keras.layers.Dense(3),
-            ]
-        )
-        model.compile(tf_agn.optimizers.SGD(0.1, compression=compressor, **kwargs), "mse")
-    return model
+    return build_model(
+        strategy, lambda: tf_agn.optimizers.SGD(0.1, compression=compressor, **kwargs)
+    )
 
 
 def fit_steps(model, steps):

@@ -16,33 +16,14 @@ import pytest
 import tensorflow as tf
 
 import tf_agn
+from compression_model import build
+from compression_model import data
 from conftest import DEVICES
 from multi_worker_data import COMPRESSION_STATE
 from tf_agn import compression
 
 TRANSPORTS = ["local", "collective"]
 BATCH = 64
-
-
-def data(rows=512, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 20)).astype("float32")
-    y = np.tanh(x @ rng.normal(size=(20, 3))).astype("float32")
-    return x, y
-
-
-def build(strategy, optimizer_fn):
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [
-                keras.Input((20,)),
-                keras.layers.Dense(64, activation="tanh"),
-                keras.layers.Dense(3),
-            ]
-        )
-        model.compile(optimizer_fn(), "mse")
-    return model
 
 
 def fit(model, epochs, **kwargs):
