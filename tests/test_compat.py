@@ -215,6 +215,72 @@ def test_aggregating_overrides_keras_optimizer_hooks():
     assert sorted(set(called)) == sorted(hooks)
 
 
+def test_cross_device_ops_private_hooks_are_called():
+    """What `tf_agn.AggregatingAllReduce` relies on in overriding
+    `_num_between_graph_workers` and `_gather_implementation`: with one
+    worker, `reduce` and `_gather` of one value already on its destination
+    return it without reducing; with more, they reduce, and `_gather` runs
+    `_gather_implementation`."""
+    calls = []
+
+    def recording(workers):
+        class Recording(tf.distribute.ReductionToOneDevice):
+            _num_between_graph_workers = workers
+
+            def reduce_implementation(self, *args, **kwargs):
+                calls.append("reduce")
+                return super().reduce_implementation(*args, **kwargs)
+
+            def _gather_implementation(self, *args, **kwargs):
+                calls.append("gather")
+                return super()._gather_implementation(*args, **kwargs)
+
+        return Recording()
+
+    value = _compat.make_tensor_into_per_replica(tf.constant([[1.0, 2.0]]))
+    for workers, want in ((1, []), (2, ["reduce", "gather"])):
+        calls.clear()
+        ops = recording(workers)
+        ops.reduce(tf.distribute.ReduceOp.SUM, value, destinations=value)
+        ops._gather(value, destinations=value, axis=0)
+        assert calls == want, workers
+
+
+def _tensorflow_or_keras(cls):
+    return cls.__module__.split(".")[0] in ("keras", "tensorflow")
+
+
+def test_overrides_of_private_methods_are_listed_in_compat():
+    """Every private method of a Keras or TensorFlow class that a tf_agn
+    class (or mixin) defines again is in `_compat.OVERRIDDEN_PRIVATE_METHODS`,
+    which names what calls it and the test that checks it, and every entry
+    there is still overridden. `_compat`'s own classes are its business."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import tf_agn.strategies
+
+    overridden = {}
+    for package in (tf_agn, tf_agn.strategies):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.endswith("__main__") or info.name == "tf_agn._compat":
+                continue
+            for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
+                if not cls.__module__.startswith("tf_agn.") or cls.__module__ == "tf_agn._compat":
+                    continue
+                ours = [c for c in cls.__mro__ if c.__module__.startswith("tf_agn.")]
+                theirs = [c for c in cls.__mro__ if _tensorflow_or_keras(c)]
+                for own in ours:
+                    for name in own.__dict__:
+                        if _is_private(name) and any(name in base.__dict__ for base in theirs):
+                            overridden.setdefault(name, set()).add(own.__qualname__)
+    unlisted = {n: sorted(c) for n, c in overridden.items() if n not in _compat.OVERRIDDEN_PRIVATE_METHODS}
+    assert not unlisted, f"list these overrides in _compat.OVERRIDDEN_PRIVATE_METHODS: {unlisted}"
+    stale = set(_compat.OVERRIDDEN_PRIVATE_METHODS) - set(overridden)
+    assert not stale, f"no tf_agn class overrides these any more: {sorted(stale)}"
+
+
 # Versions ---------------------------------------------------------------------
 
 
@@ -331,8 +397,10 @@ def _own_private_names(trees):
 def test_private_attributes_are_touched_only_in_compat():
     """`self._x`, `cls._x` and `super()._x` are tf_agn's own when tf_agn
     defines `_x`: an attribute it assigns, or a method it defines or
-    overrides (Keras hooks it overrides are listed in `_compat`'s
-    docstring). Any other object's private attribute belongs to Keras or
+    overrides (the Keras and TensorFlow methods it overrides are listed in
+    `_compat.OVERRIDDEN_PRIVATE_METHODS`, and
+    `test_overrides_of_private_methods_are_listed_in_compat` fails on any
+    that is not). Any other object's private attribute belongs to Keras or
     TensorFlow unless `ALLOWED_PRIVATE_ATTRIBUTES` says otherwise."""
     files = dict(_package_files(("tf_agn", "strategies")))
     own = _own_private_names(files.values())

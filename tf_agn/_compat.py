@@ -336,6 +336,34 @@ def slots_created_plainly(optimizer):
         del optimizer.add_variable_from_reference
 
 
+# The private methods of Keras' and TensorFlow's classes that tf_agn's
+# classes override, each with what calls it and the test that checks it
+# still does. tests/test_compat.py fails on an override that is not listed
+# here, and on an entry that no tf_agn class overrides.
+OVERRIDDEN_PRIVATE_METHODS = {
+    # tf_agn.optimizers.Aggregating: where Keras's TensorFlow optimizer
+    # clips, all-reduces and applies, which tf_agn does its own way.
+    "_backend_apply_gradients": "`apply` calls it with the gradients "
+    "(test_compat::test_aggregating_overrides_keras_optimizer_hooks).",
+    "_backend_update_step": "`_backend_apply_gradients` calls it to all-reduce "
+    "and update (test_aggregating_overrides_keras_optimizer_hooks).",
+    "_clip_gradients": "`_backend_apply_gradients` clips with it before the "
+    "all-reduce (test_aggregating_overrides_keras_optimizer_hooks).",
+    "_apply_weight_decay": "`apply` decays with it through `merge_call` "
+    "(test_aggregating_overrides_keras_optimizer_hooks).",
+    # tf_agn.AggregatingAllReduce: hooks of tf.distribute.CrossDeviceOps.
+    "_all_reduce": "a strategy's replica-context all-reduce in a traced step "
+    "(MultiWorkerMirroredStrategy; MirroredStrategy in XLA on GPUs) calls it "
+    "(test_multi_worker::test_all_reduce_of_ops_on_their_own_across_workers, "
+    "and every multi-worker fit).",
+    "_gather_implementation": "`CrossDeviceOps._gather` calls it "
+    "(test_compat::test_cross_device_ops_private_hooks_are_called).",
+    "_num_between_graph_workers": "`reduce` and `_gather` skip the reduction of "
+    "a value already on its one destination when it is 1, which across workers "
+    "would leave each worker's own (test_cross_device_ops_private_hooks_are_called).",
+}
+
+
 # Keras' own `LossScaleOptimizer.check_finite`, kept before it is replaced.
 _STOCK_LOSS_SCALE_CHECK_FINITE = keras.optimizers.LossScaleOptimizer.check_finite
 
