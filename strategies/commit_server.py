@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from tf_agn import compression
+from tf_agn.finite import all_finite
 
 # What `CommitServer.apply` did with a commit.
 APPLIED, REJECTED_NON_FINITE, DUPLICATE = 0, 1, 2
@@ -103,9 +104,7 @@ class CommitServer:
 
         def locked():
             staleness = self.commits - commits_at_pull
-            finite = tf.reduce_all(
-                [tf.reduce_all(tf.math.is_finite(delta)) for delta in deltas]
-            )
+            finite = all_finite(deltas)
             if not self.reject_non_finite:
                 finite = tf.constant(True)
             fresh = tf.equal(self.applied_windows[window_id], 0)

@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import compression
+from tf_agn.finite import all_finite
 from tf_agn.optimizers.windowed import optimizer_state
 from tf_agn.strategies.commit_server import compresses
 from tf_agn.strategies.worker_state import per_worker_variables
@@ -119,7 +120,7 @@ class Worker:
         this worker, and its error-feedback state updated: kept as it was
         where Δ is not finite, which the server rejects."""
         compressor = self.server.compressor
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(d)) for d in deltas])
+        finite = all_finite(deltas)
         payloads = []
         for delta, state in zip(deltas, self.commit_state):
             if not compresses(compressor, delta):

@@ -30,10 +30,25 @@ from overflow import mixed_float16
 from overflow import reference_loss_scale
 from overflow import reference_weights
 from overflow import tf_agn_optimizer
+from tf_agn.finite import all_finite
 
 # float16 activations, and 2 shards rather than one batch: within ~1e-4 of
 # the reference, while one step moves these weights by ~1e-2.
 RTOL, ATOL = 1e-3, 1e-4
+
+
+def test_all_finite_tests_tensors_and_slices_and_skips_none():
+    inf, nan = float("inf"), float("nan")
+    rows = tf.IndexedSlices(tf.constant([[1.0, nan]]), tf.constant([3]), tf.constant([5, 2]))
+    cases = [
+        ([tf.ones(2), None], True),
+        ([], True),
+        ([tf.constant([1.0, inf])], False),
+        ([None, tf.ones(3), rows], False),
+        ([tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([5, 2]))], True),
+    ]
+    for values, want in cases:
+        assert bool(all_finite(values)) is want, values
 
 
 def compile_mlp(strategy, make_optimizer):

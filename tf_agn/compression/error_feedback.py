@@ -49,6 +49,7 @@ import functools
 import tensorflow as tf
 
 from tf_agn import packing
+from tf_agn.finite import all_finite
 
 # The shape of one piece of per-replica state, and its initializer: a
 # Keras initializer name or a callable `(shape, dtype) -> tensor` that
@@ -256,9 +257,7 @@ def combine_with_state(
         ):
             with tf.device(device):
                 if replica_finite is None:
-                    replica_finite = tf.reduce_all(
-                        [tf.reduce_all(tf.math.is_finite(c)) for c in replica_combined]
-                    )
+                    replica_finite = all_finite(replica_combined)
                 # A cond picks one of the two states whole, where an
                 # elementwise select would read both and write a copy.
                 if tf.nest.flatten(new):

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.finite import all_finite
 from tf_agn.replica_aggregation import aggregate_gradients
 
 ACCUMULATION_REDUCTIONS = ("mean", "sum")
@@ -147,7 +148,7 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
     )
 
     def apply():
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in combined])
+        finite = all_finite(combined)
         tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.finite import all_finite
 from tf_agn.replica_aggregation import aggregate
 
 
@@ -45,13 +46,7 @@ def all_replicas_finite(grads, counter=None):
         replica's gradients hold an inf or NaN. Outside replica context, or
         with one replica, it is this process's own answer.
     """
-    values = [
-        g.values if isinstance(g, tf.IndexedSlices) else g
-        for g in grads
-        if g is not None
-    ]
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
-    non_finite = tf.cast(tf.logical_not(finite), tf.float32)
+    non_finite = tf.cast(tf.logical_not(all_finite(grads)), tf.float32)
     (replicas_non_finite,) = aggregate([non_finite], AggregationMethod.SUM, counter=counter)
     return tf.equal(replicas_non_finite, 0.0)
 
