@@ -105,6 +105,31 @@ def method_scale(method, dtype, num_replicas, value_scale):
     return value_scale
 
 
+def contributes(method, replica_id):
+    """Whether replica `replica_id` adds its value to a combination with
+    `method`: every replica does, but with ONLY_FIRST_REPLICA only replica
+    0 does. This is where ONLY_FIRST_REPLICA is decided; the transports ask.
+
+    Args:
+        method: an `AggregationMethod`.
+        replica_id: the replica's index among all replicas of all workers,
+            a Python int or a scalar integer tensor.
+
+    Returns:
+        A Python bool, or a scalar boolean tensor for a tensor `replica_id`.
+
+    Example:
+
+    >>> contributes(AggregationMethod.ONLY_FIRST_REPLICA, 2)
+    False
+    """
+    if method is not AggregationMethod.ONLY_FIRST_REPLICA:
+        return True
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return tf.equal(replica_id, 0)
+
+
 def replica_weight(method, num_replicas, replica_id, value_scale):
     """A replica's weight in a SUM over replicas that realizes `method`.
 
@@ -119,8 +144,7 @@ def replica_weight(method, num_replicas, replica_id, value_scale):
         (1 on replica 0, 0 elsewhere, times `value_scale`).
     """
     if method is AggregationMethod.ONLY_FIRST_REPLICA:
-        is_first = tf.equal(replica_id, 0)
-        return tf.cast(is_first, tf.float32) * value_scale
+        return tf.cast(contributes(method, replica_id), tf.float32) * value_scale
     return method_scale(method, tf.float32, num_replicas, value_scale)
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_agn import compression
 from tf_agn import packing
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.aggregation import contributes
 from tf_agn.aggregation import method_scale
 
 
@@ -41,14 +41,14 @@ def combine_replica(
     jit = packing.use_xla(jit_compile, device)
     sparse, packs = packing.split_packs(tensors, options.bytes_per_pack)
     results = [None] * len(tensors)
-    is_first = group.first_replica + replica == 0
+    sends = contributes(method, group.first_replica + replica)
     for index in sparse:
         slices = tensors[index]
         scale = method_scale(method, slices.dtype, group.size, value_scale)
         with tf.device(device):
             rows = slices.values * tf.constant(scale, slices.dtype)
             indices = slices.indices
-            if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
+            if not sends:
                 rows, indices = rows[:0], indices[:0]
             results[index] = group.all_gather_slices(
                 replica,
@@ -62,7 +62,7 @@ def combine_replica(
         wire_dtype = dtype if compressor is None else compressor.wire_dtype(dtype)
         pack_compressor = compression.acting_on(compressor, dtype)
         with tf.device(device):
-            if method is AggregationMethod.ONLY_FIRST_REPLICA and not is_first:
+            if not sends:
                 # Replica 0's pack travels as an all-reduce to which the
                 # others add zeros: TensorFlow's broadcast ops take no
                 # ordering token, and unordered collectives can deadlock

@@ -12,6 +12,7 @@ from tf_agn import compression as compression_lib
 from tf_agn import packing
 from tf_agn import placement
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.aggregation import contributes
 from tf_agn.aggregation import method_scale
 from tf_agn.aggregation import scale_value
 from tf_agn.compression import error_feedback
@@ -500,7 +501,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             first_rank = 0
         scale = method_scale(method, tf.float32, communicator.size, value_scale)
         scales = [
-            0.0 if method is AggregationMethod.ONLY_FIRST_REPLICA and first_rank + r else scale
+            scale if contributes(method, first_rank + r) else 0.0
             for r in range(len(sources))
         ]
         names = [sorted(states[i]) for i in stateful]

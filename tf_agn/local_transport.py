@@ -16,7 +16,7 @@ from tf_agn import _compat
 from tf_agn import compression
 from tf_agn import packing
 from tf_agn import placement
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.aggregation import contributes
 from tf_agn.aggregation import method_scale
 
 
@@ -128,11 +128,10 @@ class LocalTransport:
         dtype = values[0].values[0].dtype
         num_replicas = len(values[0].values)
         scale = method_scale(method, dtype, num_replicas, value_scale)
-        if method is AggregationMethod.ONLY_FIRST_REPLICA:
-            replicas = [0]  # Only replica 0's tensors travel.
-            device = sources[0]
+        replicas = [r for r in range(num_replicas) if contributes(method, r)]
+        if len(replicas) < num_replicas:
+            device = sources[0]  # Only replica 0's tensors travel: no copy.
         else:
-            replicas = range(num_replicas)
             device = self.reduce_to_device or destinations[0]
         like = [v.values[0] for v in values]
         flatten = self._flatten_packs(destinations, like)
@@ -194,8 +193,7 @@ class LocalTransport:
 
     def _gather_slices(self, method, value, devices, value_scale):
         slices = value.values
-        if method is AggregationMethod.ONLY_FIRST_REPLICA:
-            slices = slices[:1]
+        slices = [s for r, s in enumerate(slices) if contributes(method, r)]
         scale = method_scale(method, slices[0].dtype, len(value.values), value_scale)
         with tf.device(self.reduce_to_device or devices[0]):
             gathered = tf.IndexedSlices(
