@@ -115,7 +115,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
-from tf_agn import collective  # noqa: E402
+from tf_agn import transports  # noqa: E402
 from tf_agn.strategies import split_cpu  # noqa: E402
 
 # Targets.
@@ -735,7 +735,7 @@ def main(argv):
         f"TensorFlow {tf.__version__}; Keras {keras.__version__}"
     )
     strategies = build_strategies(devices)
-    transport = collective.choose_transport(devices, num_workers=1)
+    transport = transports.choose_transport(devices, num_workers=1)
     ours = f"ours_{transport}"
     print(
         f"{len(devices)} logical CPU devices; stock_default: MirroredStrategy "

@@ -485,7 +485,7 @@ def codec_fn(name, values, scale):
     """A function that runs candidate `name`'s own arithmetic once on one
     replica's `values` (variables, read as gradients arrive: computed
     tensors), as the optimizer's aggregation does, pack by pack, with
-    nothing sent: the local communicator of a single replica passes each
+    nothing sent: the local transport of a single replica passes each
     buffer on.
 
     Returns:
@@ -493,8 +493,8 @@ def codec_fn(name, values, scale):
         every result.
     """
     from tf_agn import packing
-    from tf_agn.compression.error_feedback import combine_with_state
-    from tf_agn.local_transport import LocalCommunicator
+    from tf_agn.compression.error_feedback import combine_kept_finite
+    from tf_agn.transports import LocalTransport
 
     compressor = tf_agn.compression.get(COMPRESSIONS[name]())
     device = values[0].device
@@ -518,16 +518,14 @@ def codec_fn(name, values, scale):
             initial = spec.initializer if callable(spec.initializer) else tf.zeros
             state[key] = tf.Variable(initial(spec.shape, tf.float32))
         states.append(state)
-    communicator = LocalCommunicator([device], device)
-    step = tf.constant(0, tf.int64)
+    transport = LocalTransport([device], device, False, True, packing.DEFAULT_BYTES_PER_PACK)
 
     @tf.function
     def stateful():
         read = [{key: v.read_value() for key, v in state.items()} for state in states]
         current = [value.read_value() for value in values]
-        (combined,), (new,) = combine_with_state(
-            compressor, communicator, [current], [read], [tf.constant(scale)],
-            packing.DEFAULT_BYTES_PER_PACK, True, step,
+        (combined,), (new,) = combine_kept_finite(
+            compressor, transport, [current], [read], [tf.constant(scale)]
         )
         for state, kept in zip(states, new):
             for key, variable in state.items():

@@ -4,6 +4,7 @@ import numbers
 
 import tensorflow as tf
 
+from tf_agn import devices as devices_lib
 from tf_agn.cross_device_ops import AggregatingAllReduce
 
 
@@ -64,38 +65,10 @@ def mirrored(devices=None, aggregation="mean", **ops_kwargs):
     ops = AggregatingAllReduce(aggregation=aggregation, **ops_kwargs)
     # TensorFlow places a missing device's work on the CPU without a word.
     for device in devices or ():
-        _check_device_exists("devices", device)
+        devices_lib.resolve(device, "devices")
     if ops_kwargs.get("reduce_to_device") is not None:
-        _check_device_exists("reduce_to_device", ops_kwargs["reduce_to_device"])
+        devices_lib.resolve(ops_kwargs["reduce_to_device"], "reduce_to_device")
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-
-
-def _check_device_exists(argument, device):
-    """Raises unless `device` names one of this process's logical devices.
-
-    Args:
-        argument: the argument that named it, for the message.
-        device: a device name, such as "/gpu:0" or "GPU:0".
-
-    Raises:
-        ValueError: naming `device` and the devices there are.
-    """
-    spec = tf.DeviceSpec.from_string(device)
-    available = tf.config.list_logical_devices()
-    for candidate in available:
-        other = tf.DeviceSpec.from_string(candidate.name)
-        if (
-            spec.job in (None, other.job)
-            and spec.device_type is not None
-            and spec.device_type.upper() == other.device_type
-            and spec.device_index in (None, other.device_index)
-        ):
-            return
-    names = ", ".join(candidate.name for candidate in available)
-    raise ValueError(
-        f"{argument} must name devices this process has ({names}); "
-        f"received {device!r}."
-    )
 
 
 def even_batch_size(batch_size, num_samples, num_replicas):

@@ -112,7 +112,7 @@ def multi_worker_mirrored(
     that build different numbers of ops or strategies still agree. A lost
     peer fails the survivors' step through TensorFlow's health check;
     `timeout_seconds` (default None, see
-    `tf_agn.collective.DEFAULT_TIMEOUT_SECONDS` for its cost) also turns
+    `tf_agn.transports.DEFAULT_TIMEOUT_SECONDS` for its cost) also turns
     collectives called in another order into an error. TensorFlow catches
     SIGTERM while it connects (for
     its own preemption notices); the handler Python had before is put back

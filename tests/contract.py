@@ -13,14 +13,17 @@ with a `ReductionToOneDevice` strategy's (in one process) or with those of
 a one-process strategy of as many replicas (across workers) checks the
 contract.
 
-`aggregate_results(ops, strategy, traced)` does the same for tf_agn's own
-entry point, one call with many packs, dense and sparse values together,
-for every method. It is not imported by worker processes' conftest: it must
+`aggregate_results(strategy, traced)` does the same for tf_agn's own
+entry point, `tf_agn.aggregate` on every replica, one call with many packs
+(give the strategy small ones), dense and sparse values together, for
+every method. It is not imported by worker processes' conftest: it must
 not split the CPU.
 """
 
 import numpy as np
 import tensorflow as tf
+
+import replica_aggregate
 
 ROWS = 3
 
@@ -148,8 +151,8 @@ def reference_methods(num_replicas, replica):
 _AGGREGATE_SHAPES = [(2, 3), (5,), (3, 3), (7,), (1,), (4, 2)]
 
 
-def aggregate_results(ops, strategy, traced):
-    """`ops.aggregate` for every method on dense and sparse values at once.
+def aggregate_results(strategy, traced):
+    """`tf_agn.aggregate` for every method on dense and sparse values at once.
 
     Returns:
         `{"<method>/<index>": [array per local replica]}`.
@@ -162,7 +165,7 @@ def aggregate_results(ops, strategy, traced):
 
     def run():
         return {
-            method: ops.aggregate(method, values)
+            method: replica_aggregate.aggregate(strategy, method, values)
             for method in ("sum", "mean", "only_first_replica", "none")
         }
 

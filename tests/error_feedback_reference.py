@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import placed_values
+import replica_aggregate
 
 LEVELS = np.float32(127)
 
@@ -129,7 +130,7 @@ def one_step_errors(ops, strategy, devices, seed=0):
 
         @tf.function
         def run():
-            (combined,), _ = ops.aggregate("mean", [values], compressor=compressor, states=[state])
+            (combined,), _ = replica_aggregate.aggregate(strategy, "mean", [values], compressor=compressor, states=[state])
             return strategy.experimental_local_results(combined)
 
         return [t.numpy() for t in run()], initial

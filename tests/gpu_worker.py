@@ -27,6 +27,7 @@ from contract import contract_results  # noqa: E402
 from contract import reference_methods  # noqa: E402
 from error_feedback_reference import one_step_errors  # noqa: E402
 import placed_values  # noqa: E402
+import replica_aggregate  # noqa: E402
 
 SHAPES = [(1024, 512)] * 24 + [(512,)] * 24  # about 12.6 M floats
 REPEATS = 20
@@ -60,7 +61,7 @@ def check(names, transport, compression):
     values = per_replica(strategy, names, arrays)
     rows = []
     for method in ("sum", "mean", "only_first_replica", "none"):
-        results = ops.aggregate(method, values, compressor=ops.compressor)
+        results = replica_aggregate.aggregate(strategy, method, values, compressor=ops.compressor)
         error, placed = 0.0, True
         for i, value in enumerate(results):
             column = [a[i].astype(np.float64) for a in arrays]
@@ -102,7 +103,7 @@ def ordered_checks(names, transport):
     stock = tf.distribute.MirroredStrategy(
         names, cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
-    many_packs = tf_agn.AggregatingAllReduce(transport=transport, bytes_per_pack=64)
+    many_packs = tf_agn.strategies.mirrored(names, transport=transport, bytes_per_pack=64)
     rows = []
     for traced in (False, True):
         mode = "traced" if traced else "eager"
@@ -115,7 +116,7 @@ def ordered_checks(names, transport):
         rows.append({"kind": "check", "transport": transport, "compression": "None",
                      "method": f"contract/{mode}", "max_rel_error": error, "placed": True,
                      "rtol": 2e-3})
-        got = aggregate_results(many_packs, ours, traced)
+        got = aggregate_results(many_packs, traced)
         error = max(
             max_rel_error(array, reference_methods(len(names), replica)[name])
             for name in got for replica, array in enumerate(got[name])

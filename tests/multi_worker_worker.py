@@ -80,6 +80,7 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
+from tf_agn import _compat  # noqa: E402
 from tf_agn.replica_aggregation import tf_agn_ops  # noqa: E402
 from multi_worker_data import COMPRESSION_STATE  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
@@ -91,6 +92,7 @@ from multi_worker_data import stateful_compressors  # noqa: E402
 
 from contract import aggregate_results  # noqa: E402
 from contract import contract_results  # noqa: E402
+import replica_aggregate  # noqa: E402
 from worker_cluster import wait_for_files  # noqa: E402
 from worker_cluster import write_results  # noqa: E402
 
@@ -257,7 +259,8 @@ def local_value(strategy, make):
 
 def contract_checks(strategy):
     """tests/contract.py's calls, eager and traced, and `aggregate` with
-    many packs (an ops object every worker builds alike)."""
+    many packs (through ops every worker builds alike, installed in the
+    strategy for it)."""
     out = {}
     default = tf_agn_ops(strategy)
     many_packs = tf_agn.AggregatingAllReduce(
@@ -266,11 +269,14 @@ def contract_checks(strategy):
     )
     for traced in (False, True):
         mode = "traced" if traced else "eager"
-        for prefix, results in (
-            ("contract", contract_results(strategy, traced)),
-            ("many_packs", aggregate_results(many_packs, strategy, traced)),
-        ):
-            for name, arrays in results.items():
+        results = {"contract": contract_results(strategy, traced)}
+        _compat.replace_cross_device_ops(strategy.extended, many_packs)
+        try:
+            results["many_packs"] = aggregate_results(strategy, traced)
+        finally:
+            _compat.replace_cross_device_ops(strategy.extended, default)
+        for prefix, named in results.items():
+            for name, arrays in named.items():
                 for copy, array in enumerate(arrays):
                     out[f"{prefix}/{mode}/{name}/{copy}"] = array
     log("contract checks done")
@@ -347,8 +353,9 @@ def aggregate_method_results(strategy):
                 for i in range(len(SHAPES))
             ]
             for method in tf_agn.AggregationMethod.names():
-                results = ops[compression].aggregate(
-                    method, values, value_scale=0.5, compressor=ops[compression].compressor
+                results = replica_aggregate.aggregate(
+                    strategy, method, values, value_scale=0.5,
+                    compressor=ops[compression].compressor,
                 )
                 for i, value in enumerate(results):
                     (local,) = strategy.experimental_local_results(value)
@@ -362,7 +369,7 @@ def aggregate_method_results(strategy):
                 tf.constant(rows), tf.constant(indices), tf.constant([6, 4])
             )
 
-        (value,) = ops["none"].aggregate(method, [local_value(strategy, make)])
+        (value,) = replica_aggregate.aggregate(strategy, method, [local_value(strategy, make)])
         (local,) = strategy.experimental_local_results(value)
         out[f"sparse/{method}/values"] = local.values.numpy()
         out[f"sparse/{method}/indices"] = local.indices.numpy()

@@ -16,8 +16,9 @@ from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from tf_agn import compression
 from tf_agn.communication import payload_bytes
-from tf_agn.compression.error_feedback import combine_with_state
-from tf_agn.local_transport import LocalCommunicator
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.combining import combine_replicas
+from tf_agn.transports import LocalTransport
 
 BATCH = 64
 # The model's 20x64 and 64x3 kernels and their biases.
@@ -83,27 +84,27 @@ def test_start_step_counts_applied_steps_under_accumulation():
     }
 
 
-class RecordingCommunicator(LocalCommunicator):
-    """A local communicator that adds up, per collective, the bytes of
-    the buffer replica 0 hands it (every replica hands one alike)."""
+class RecordingTransport(LocalTransport):
+    """A local transport that adds up, per pattern, the bytes replica 0
+    hands it (every replica hands as many)."""
 
     def __init__(self, devices):
-        super().__init__(devices, devices[0])
-        self.sent = {"all_reduce": 0, "all_to_all": 0, "all_gather": 0}
+        super().__init__(devices, None, False, False, BYTES_PER_PACK)
+        self.sent = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
 
     def _record(self, name, tensors):
-        self.sent[name] += tensors[0].shape.num_elements() * tensors[0].dtype.size
+        self.sent[name] += sum(t.shape.num_elements() * t.dtype.size for t in tensors)
 
-    def all_reduce(self, tensors):
-        self._record("all_reduce", tensors)
-        return super().all_reduce(tensors)
+    def all_reduce(self, packs, weights=None, cast=None):
+        self._record("all_reduce", packs[0])
+        return super().all_reduce(packs, weights, cast)
 
-    def all_to_all(self, tensors):
-        self._record("all_to_all", tensors)
-        return super().all_to_all(tensors)
+    def reduce_scatter(self, tensors, sum_parts=None):
+        self._record("reduce_scatter", tensors[:1])
+        return super().reduce_scatter(tensors, sum_parts)
 
     def all_gather(self, tensors):
-        self._record("all_gather", tensors)
+        self._record("all_gather", tensors[:1])
         return super().all_gather(tensors)
 
 
@@ -155,26 +156,22 @@ def test_the_count_is_the_bytes_of_the_buffers_sent(compressor, shapes, compress
     for device in DEVICES:
         with tf.device(device):
             values.append([tf.constant(rng.normal(size=s), tf.float32) for s in shapes])
-    communicator = RecordingCommunicator(DEVICES)
-    combine_with_state(
-        compressor,
-        communicator,
+    transport = RecordingTransport(DEVICES)
+    combine_replicas(
+        transport,
+        AggregationMethod.SUM,
         values,
-        initial_states(compressor, shapes),
-        [1.0] * NUM_REPLICAS,
-        BYTES_PER_PACK,
-        jit_compile=False,
+        compressor=compressor,
+        states=initial_states(compressor, shapes),
         step=tf.constant(step, tf.int64),
     )
     float32_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
     want = float32_bytes if step < compressor.start_step else compressed_bytes
-    # The payload: the all-reduces, and int8's all-to-all; int8's
+    # The payload: the all-reduces, and int8's reduce-scatter; int8's
     # all-gather sends each replica's part of it on.
-    sent = communicator.sent["all_reduce"] + communicator.sent["all_to_all"]
+    sent = transport.sent["all_reduce"] + transport.sent["reduce_scatter"]
     assert sent == want
-    assert communicator.sent["all_gather"] * NUM_REPLICAS == (
-        communicator.sent["all_to_all"]
-    )
+    assert transport.sent["all_gather"] * NUM_REPLICAS == transport.sent["reduce_scatter"]
     counted = payload_bytes(
         values[0], compressor, tf.constant(step, tf.int64), NUM_REPLICAS, BYTES_PER_PACK
     )

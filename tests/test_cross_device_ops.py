@@ -21,6 +21,8 @@ import tensorflow as tf
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
 import placed_values
+import replica_aggregate
+import tf_agn
 from tf_agn import AggregatingAllReduce
 from tf_agn import AggregationMethod
 from tf_agn import packing
@@ -276,7 +278,7 @@ def test_aggregate(method, value_scale):
         replica_arrays(s, tf.float32, i) for i, s in enumerate([[3], [2, 2]])
     ]
     values = [per_replica(strategy, a) for a in arrays]
-    results = ops.aggregate(method, values, value_scale=value_scale)
+    results = replica_aggregate.aggregate(strategy, method, values, value_scale=value_scale)
     for result, replica_values in zip(results, arrays):
         local = [t.numpy() for t in result.values]
         assert [device_of(t) for t in result.values] == DEVICES
@@ -298,11 +300,11 @@ def test_aggregate_mean_with_replica_count_scale_is_the_sum():
     strategy = make_strategy(ops)
     arrays = replica_arrays([5], tf.float32)
     value = per_replica(strategy, arrays)
-    (result,) = ops.aggregate("mean", [value], value_scale=NUM_REPLICAS)
+    (result,) = replica_aggregate.aggregate(strategy, "mean", [value], value_scale=NUM_REPLICAS)
     assert_mirrored(result, expected(SUM, arrays), tf.float32)
 
 
-def test_aggregate_in_merge_call_in_tf_function():
+def test_aggregate_in_replica_context_in_tf_function():
     ops = AggregatingAllReduce()
     strategy = make_strategy(ops)
     arrays = replica_arrays([2, 3], tf.float32)
@@ -313,12 +315,10 @@ def test_aggregate_in_merge_call_in_tf_function():
         def replica_fn():
             context = tf.distribute.get_replica_context()
             local = tf.constant(stacked)[context.replica_id_in_sync_group]
-            return context.merge_call(
-                lambda _, value: ops.aggregate(
-                    AggregationMethod.ONLY_FIRST_REPLICA, [value], 2.0
-                )[0],
-                args=(local,),
+            (combined,) = tf_agn.aggregate(
+                [local], AggregationMethod.ONLY_FIRST_REPLICA, value_scale=2.0
             )
+            return combined
 
         return strategy.run(replica_fn)
 
@@ -330,10 +330,10 @@ def test_aggregate_integers():
     strategy = make_strategy(ops)
     arrays = replica_arrays([3], tf.int64)
     value = per_replica(strategy, arrays)
-    (first,) = ops.aggregate("only_first_replica", [value])
+    (first,) = replica_aggregate.aggregate(strategy, "only_first_replica", [value])
     assert_mirrored(first, arrays[0], tf.int64)
     with pytest.raises(ValueError, match="scale 2"):
-        ops.aggregate("sum", [value], value_scale=2)
+        replica_aggregate.aggregate(strategy, "sum", [value], value_scale=2)
 
 
 # Compression: `aggregate` compresses; TensorFlow's entry points stay exact
@@ -350,7 +350,7 @@ def test_compression(compression, tolerance, dtype, reduce_op):
     strategy = make_strategy(ops)
     arrays = [replica_arrays(s, dtype, i) for i, s in enumerate([[40], [3, 7]])]
     values = [per_replica(strategy, a) for a in arrays]
-    results = ops.aggregate(
+    results = replica_aggregate.aggregate(strategy, 
         AggregationMethod.parse(reduce_op), values, compressor=ops.compressor
     )
     for result, replica_values in zip(results, arrays):
@@ -372,7 +372,7 @@ def test_compression_leaves_half_precision_and_integers_alone():
     halves = replica_arrays([9], tf.float16)
     ints = replica_arrays([4], tf.int64)
     values = [per_replica(strategy, halves), per_replica(strategy, ints)]
-    half, integer = ops.aggregate("sum", values, compressor=ops.compressor)
+    half, integer = replica_aggregate.aggregate(strategy, "sum", values, compressor=ops.compressor)
     # float32 holds sums of four float16 values exactly, so the result is
     # their sum rounded once to float16; bfloat16 on the way would not be.
     want = np.sum(halves, axis=0, dtype=np.float64).astype(np.float16)
@@ -470,7 +470,7 @@ def test_aggregate_indexed_slices_only_first_replica():
     strategy = make_strategy(ops)
     slices = replica_slices()
     value = per_replica_slices(strategy, slices)
-    (result,) = ops.aggregate("only_first_replica", [value], value_scale=3.0)
+    (result,) = replica_aggregate.aggregate(strategy, "only_first_replica", [value], value_scale=3.0)
     for local in result.values:
         np.testing.assert_allclose(
             tf.convert_to_tensor(local).numpy(),

@@ -15,6 +15,7 @@ import tf_agn
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
 import placed_values
+import replica_aggregate
 from error_feedback_reference import int8_reference
 from error_feedback_reference import one_step_errors
 from error_feedback_reference import powersgd_reference
@@ -87,7 +88,7 @@ def run(strategy, ops, method, values, states, compressor, traced, value_scale=1
     local = strategy.experimental_local_results
 
     def aggregate():
-        combined, new_states = ops.aggregate(
+        combined, new_states = replica_aggregate.aggregate(strategy, 
             method, values, value_scale, compressor=compressor, states=states, step=step
         )
         return (
@@ -407,7 +408,7 @@ def test_applied_updates_plus_residuals_sum_to_the_true_gradients(transport, com
     true = [np.zeros(s, np.float64) for s in SHAPES]
     for step in range(6):
         arrays, _, values, _ = values_and_states(strategy, compressor, seed=10 + step)
-        combined, states = ops.aggregate("sum", values, compressor=compressor, states=states)
+        combined, states = replica_aggregate.aggregate(strategy, "sum", values, compressor=compressor, states=states)
         for i in range(len(SHAPES)):
             applied[i] += strategy.experimental_local_results(combined[i])[0].numpy()
             true[i] += sum(a[i] for a in arrays)

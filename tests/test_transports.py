@@ -17,10 +17,12 @@ import tensorflow as tf
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
 import tf_agn
+import replica_aggregate
 from scripts import run_python
 from tf_agn import AggregatingAllReduce
 from tf_agn import AggregationMethod
-from tf_agn import collective
+from tf_agn import transports
+from tf_agn.transports import groups
 
 TRANSPORTS = ["local", "collective"]
 Options = tf.distribute.experimental.CommunicationOptions
@@ -104,7 +106,7 @@ def test_aggregate_matches_numpy(method, dtype, transport):
     # 64-byte packs split the values into several packs.
     strategy, ops = strategy_for(transport=transport, bytes_per_pack=64)
     arrays = replica_arrays(dtype)
-    results = ops.aggregate(method, distribute(strategy, arrays), value_scale=0.5)
+    results = replica_aggregate.aggregate(strategy, method, distribute(strategy, arrays), value_scale=0.5)
     assert_results(results, reference(method, arrays, 0.5), TOLERANCE[dtype])
     for value in results:
         assert [t.dtype for t in value.values] == [dtype] * NUM_REPLICAS
@@ -116,7 +118,7 @@ def test_aggregate_matches_numpy(method, dtype, transport):
 def test_compression_matches_numpy(method, compression):
     strategy, ops = strategy_for(transport="collective", compression=compression)
     arrays = replica_arrays(tf.float32)
-    results = ops.aggregate(method, distribute(strategy, arrays), compressor=ops.compressor)
+    results = replica_aggregate.aggregate(strategy, method, distribute(strategy, arrays), compressor=ops.compressor)
     method = AggregationMethod.parse(method)
     assert_results(results, reference(method, arrays), COMPRESSION_TOLERANCE[compression])
     assert results[0].values[0].dtype == tf.float32
@@ -138,7 +140,7 @@ def test_sparse_values_are_gathered(method, transport):
             )
 
     value = strategy.experimental_distribute_values_from_function(fn)
-    (result,) = ops.aggregate(method, [value])
+    (result,) = replica_aggregate.aggregate(strategy, method, [value])
     dense = [np.zeros((6, 4)) for _ in range(NUM_REPLICAS)]
     for r in range(NUM_REPLICAS):
         np.add.at(dense[r], indices[r], rows[r])
@@ -190,7 +192,7 @@ def test_device_less_values_take_their_replica_device():
     @tf.function
     def reduce(x):
         assert [t.device for t in x.values] == [""] * NUM_REPLICAS
-        (result,) = ops.aggregate("sum", [x])
+        (result,) = replica_aggregate.aggregate(strategy, "sum", [x])
         return [t.device for t in result.values]
 
     (x,) = distribute(strategy, arrays, placed=False)
@@ -261,7 +263,7 @@ def test_one_tensor_of_32m_floats(transport):
             return tf.fill([size], float(context.replica_id_in_sync_group + 1))
 
     value = strategy.experimental_distribute_values_from_function(fn)
-    (result,) = ops.aggregate("mean", [value])
+    (result,) = replica_aggregate.aggregate(strategy, "mean", [value])
     want = np.mean(np.arange(1, NUM_REPLICAS + 1))
     for tensor in result.values:
         got = tensor.numpy()
@@ -276,7 +278,7 @@ def test_strategies_with_collective_transports_do_not_collide():
     for round_ in range(2):
         for index, (strategy, ops) in enumerate(pairs):
             arrays = replica_arrays(tf.float32, shapes=[(index + 2, 3)], seed=round_)
-            results = ops.aggregate("sum", distribute(strategy, arrays))
+            results = replica_aggregate.aggregate(strategy, "sum", distribute(strategy, arrays))
             assert_results(results, reference(AggregationMethod.SUM, arrays), 1e-6)
 
 
@@ -285,7 +287,7 @@ def test_eager_calls_do_not_retrace():
     strategy, ops = strategy_for(transport="collective")
     arrays = replica_arrays(tf.float32, shapes=[(4, 3), (5,)])
     for round_ in range(3):
-        results = ops.aggregate("mean", distribute(strategy, arrays))
+        results = replica_aggregate.aggregate(strategy, "mean", distribute(strategy, arrays))
         assert_results(results, reference(AggregationMethod.MEAN, arrays), 1e-6)
     (function,) = ops._eager_functions.values()
     assert function.experimental_get_tracing_count() == 1
@@ -297,15 +299,15 @@ def test_collective_keys_come_from_the_group_not_from_how_many_ops_exist():
     def on_task(task, indices):
         return [f"/job:worker/replica:0/task:{task}/device:CPU:{i}" for i in indices]
 
-    key = collective.group_key(on_task(0, [0, 1]), group_size=4)
-    assert collective.group_key(on_task(1, [0, 1]), group_size=4) == key
-    assert collective.group_key(on_task(0, [0, 1]), group_size=2) != key
-    assert collective.group_key(on_task(0, [0]), group_size=4) != key
+    key = groups.group_key(on_task(0, [0, 1]), group_size=4)
+    assert groups.group_key(on_task(1, [0, 1]), group_size=4) == key
+    assert groups.group_key(on_task(0, [0, 1]), group_size=2) != key
+    assert groups.group_key(on_task(0, [0]), group_size=4) != key
     # Building more ops objects changes nothing: they share the group.
-    before = collective.collective_group(DEVICES, len(DEVICES), 0)
+    before = transports.collective_group(DEVICES, len(DEVICES), 0)
     for _ in range(3):
         AggregatingAllReduce(transport="collective")
-    assert collective.collective_group(DEVICES, len(DEVICES), 0) is before
+    assert transports.collective_group(DEVICES, len(DEVICES), 0) is before
 
 
 def threads():
@@ -317,7 +319,7 @@ def test_collectives_wait_for_ever_by_default_and_hold_no_thread_per_call():
     """TensorFlow sleeps a thread through each timed collective's timeout:
     under a default of 600 s a job of days ran out of threads. Untimed
     collectives keep the thread count flat."""
-    assert collective.DEFAULT_TIMEOUT_SECONDS is None
+    assert transports.DEFAULT_TIMEOUT_SECONDS is None
     assert AggregatingAllReduce().options.timeout_seconds is None
 
     def growth(timeout_seconds):
@@ -381,9 +383,9 @@ def test_collective_timeout_turns_a_missing_peer_into_an_error():
 
 
 def test_auto_transport_is_local_on_logical_cpus_and_collective_across_workers():
-    assert collective.choose_transport(DEVICES, num_workers=1) == "local"
-    assert collective.choose_transport(DEVICES, num_workers=2) == "collective"
-    assert collective.default_implementation(DEVICES).name == "RING"
+    assert transports.choose_transport(DEVICES, num_workers=1) == "local"
+    assert transports.choose_transport(DEVICES, num_workers=2) == "collective"
+    assert transports.default_implementation(DEVICES).name == "RING"
 
 
 def ring_traffic(num_replicas):
@@ -413,10 +415,10 @@ def star_traffic(num_replicas):
 def test_traffic_matches_explicit_schedules(num_replicas):
     ring = ring_traffic(num_replicas)
     star = star_traffic(num_replicas)
-    assert collective.traffic("collective", num_replicas) == pytest.approx(
+    assert transports.traffic("collective", num_replicas) == pytest.approx(
         (max(ring), min(ring))
     )
-    assert collective.traffic("local", num_replicas) == (max(star), min(star))
+    assert transports.traffic("local", num_replicas) == (max(star), min(star))
 
 
 @pytest.mark.parametrize(

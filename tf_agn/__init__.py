@@ -7,6 +7,7 @@ from tf_agn import _source_layout
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.cross_device_ops import AggregatingAllReduce
+from tf_agn.replica_aggregation import aggregate
 from tf_agn.replicas import replica_weights
 
 _compat.check_versions()

@@ -108,7 +108,7 @@ def method_scale(method, dtype, num_replicas, value_scale):
 def contributes(method, replica_id):
     """Whether replica `replica_id` adds its value to a combination with
     `method`: every replica does, but with ONLY_FIRST_REPLICA only replica
-    0 does. This is where ONLY_FIRST_REPLICA is decided; the transports ask.
+    0 does.
 
     Args:
         method: an `AggregationMethod`.
@@ -130,22 +130,33 @@ def contributes(method, replica_id):
     return tf.equal(replica_id, 0)
 
 
-def replica_weight(method, num_replicas, replica_id, value_scale):
-    """A replica's weight in a SUM over replicas that realizes `method`.
+def replica_weights(method, dtype, transport, value_scale):
+    """Each local replica's weight in the sum over replicas that realizes
+    `method` (anything but NONE).
 
     Args:
-        method: SUM, MEAN or ONLY_FIRST_REPLICA.
-        num_replicas: how many replicas take part.
-        replica_id: this replica's index, a Python int or a scalar tensor.
+        method: an `AggregationMethod`.
+        dtype: the values' `tf.DType`.
+        transport: the `tf_agn.transports` transport that sums them.
         value_scale: a Python number every value is multiplied by.
 
     Returns:
-        A Python number, or a float32 scalar tensor for ONLY_FIRST_REPLICA
-        (1 on replica 0, 0 elsewhere, times `value_scale`).
+        One weight per local replica of `transport`: a Python number (0 for
+        a replica that adds nothing), or a scalar float32 tensor where the
+        replica's rank is one (`tf_agn.transports.ReplicaTransport`).
+
+    Raises:
+        ValueError: for a MEAN or a scale of integers.
     """
-    if method is AggregationMethod.ONLY_FIRST_REPLICA:
-        return tf.cast(contributes(method, replica_id), tf.float32) * value_scale
-    return method_scale(method, tf.float32, num_replicas, value_scale)
+    scale = method_scale(method, dtype, transport.size, value_scale)
+    weights = []
+    for replica in range(len(transport.devices)):
+        sends = contributes(method, transport.rank(replica))
+        if isinstance(sends, bool):
+            weights.append(scale if sends else 0 * scale)
+        else:
+            weights.append(tf.cast(sends, tf.float32) * scale)
+    return weights
 
 
 def scale_value(value, scale):

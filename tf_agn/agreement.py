@@ -25,7 +25,7 @@ import zlib
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import collective
+from tf_agn import transports
 from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.replica_aggregation import tf_agn_ops
@@ -110,8 +110,8 @@ def strategy_settings(ops, devices):
         *compression_settings(ops.compressor),
         Setting(
             "transport",
-            collective.TRANSPORTS.index(ops.transport),
-            lambda code: collective.TRANSPORTS[code],
+            transports.TRANSPORTS.index(ops.transport),
+            lambda code: transports.TRANSPORTS[code],
         ),
         Setting(
             "implementation",
@@ -195,7 +195,7 @@ def _check(settings, ops, devices, timeout_seconds, subject):
     the call returns only when all workers have made it.
     """
     devices = tuple(devices)
-    group = collective.collective_group(
+    group = transports.collective_group(
         devices,
         group_size=len(devices) * ops.num_workers,
         first_replica=ops.worker_index * len(devices),
@@ -203,18 +203,16 @@ def _check(settings, ops, devices, timeout_seconds, subject):
     codes = [setting.code for setting in settings]
     options = tf.distribute.experimental.CommunicationOptions(
         timeout_seconds=timeout_seconds,
-        implementation=collective.default_implementation(devices),
+        implementation=transports.default_implementation(devices),
     )
+    transport = transports.CollectiveTransport(group, options, jit_compile=False)
 
     def exchange(values):
         """Every replica's `values`, gathered in replica order."""
 
         @tf.function(autograph=False)
         def gather():
-            return [
-                group.all_gather(replica, tf.constant([values], tf.int64), options)
-                for replica in range(len(devices))
-            ]
+            return transport.all_gather([tf.constant([values], tf.int64)] * len(devices))
 
         return gather()[0].numpy()
 

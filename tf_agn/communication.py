@@ -19,7 +19,7 @@ class CommunicationCounter:
     rank floats per matrix for PowerSGD. Before an int8 or PowerSGD
     compressor's `start_step` the values travel, and count, as float32.
     NONE sends nothing and is not counted. An int8 or ring all-reduce sends
-    its payload about twice (see `tf_agn.collective.traffic`); the payload
+    its payload about twice (see `tf_agn.transports.traffic`); the payload
     is what compression changes.
 
     The counts are variables of the counter, not of the optimizer: an
@@ -92,7 +92,8 @@ def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_
         return exact + sum(compressor.wire_bytes(v.shape, v.dtype) for v in compressed)
     sent = compressor.payload_bytes([v.shape for v in compressed], num_replicas, bytes_per_pack)
     if compressor.start_step:
-        # Until then `combine_with_state` sums them uncompressed.
+        # Until then `tf_agn.combining.combine_replicas` sums them
+        # uncompressed.
         uncompressed = sum(_exact_bytes(v) for v in compressed)
         sent = tf.where(
             step < compressor.start_step,

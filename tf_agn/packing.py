@@ -14,6 +14,8 @@ import functools
 import numpy as np
 import tensorflow as tf
 
+from tf_agn import devices as devices_lib
+
 # Devices on which XLA can compile our combine function. Elsewhere the same
 # function runs as an ordinary graph function.
 XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
@@ -243,8 +245,7 @@ def unflatten_fn(jit_compile):
 
 def supports_xla(device):
     """Whether XLA can compile for `device` (a device string)."""
-    device_type = tf.DeviceSpec.from_string(device).device_type
-    return (device_type or "CPU").upper() in XLA_DEVICE_TYPES
+    return devices_lib.device_type(device) in XLA_DEVICE_TYPES
 
 
 def use_xla(jit_compile, device):

@@ -15,31 +15,16 @@ training.
 
 The residuals (and PowerSGD's warm-started Q) are per-replica state; a
 compressor may keep a residual as factors it is cheaper to keep than to
-write out (PowerSGD does), and `residual(state)` gives it whole. They
-live with the optimizer's state, as optimizer variables: one replica-local
-variable per trainable variable and kind of state (`state_spec`), so
-`.keras` files and `tf_agn.callbacks.BackupAndRestore` save them. The
-optimizer hands each replica's state to `combine`, in the cross-replica
-call of `AggregatingAllReduce.aggregate`, and takes the new state back.
+write out (PowerSGD does), and `residual(state)` gives it whole. They live
+with the optimizer's state, as optimizer variables (`state_spec`;
+`tf_agn.optimizers.compression_state`), so `.keras` files and
+`tf_agn.callbacks.BackupAndRestore` save them.
 
 A compressor is written once, for every transport: `combine` sees the
-values of all local replicas and a communicator with three collectives
-over all replicas of all workers, each taking one tensor per local
-replica and returning one per local replica:
-
-- `all_reduce(tensors)`: the sum;
-- `all_to_all(tensors)`: each tensor's first dimension has `size` rows;
-  row j goes to global replica j, which receives every replica's row in
-  replica order;
-- `all_gather(tensors)`: every replica's tensor, concatenated along the
-  first dimension in replica order.
-
-`communicator.size` is the number of replicas of all workers,
-`communicator.devices` the local replicas' devices, and
-`communicator.rank(r)` local replica r's global index. On the collective
-transport these are TensorFlow's collective ops (a ring on CPUs and
-across workers, NCCL on GPUs); on the local transport, copies within one
-process. Between them runs the compressor's arithmetic, in
+values of all local replicas and a `tf_agn.transports` transport, whose
+patterns (`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all`)
+take one tensor per local replica and return one per local replica.
+Between them runs the compressor's arithmetic, in
 `tf.function(jit_compile=True)` calls on each replica's device.
 """
 
@@ -130,11 +115,11 @@ class ErrorFeedbackCompressor:
         """
         return state.get("residual")
 
-    def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
+    def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
         """Sums every replica's values, compressed, and updates the state.
 
         Args:
-            communicator: the collectives, as the module docstring says.
+            transport: the `tf_agn.transports` transport to send through.
             values: for each local replica, its list of float32 tensors.
             states: for each local replica, a list with one dict per value,
                 holding the tensors `state_spec` asked for.
@@ -150,8 +135,8 @@ class ErrorFeedbackCompressor:
             can tell cheaply whether that sum is finite (from the small
             buffers it sent, say) may add a third item, for each local
             replica a scalar boolean tensor that is True exactly where
-            every combined value is finite; else `combine_with_state` reads
-            the combined values to find out.
+            every combined value is finite; else `combine_kept_finite`
+            reads the combined values to find out.
         """
         raise NotImplementedError
 
@@ -202,7 +187,7 @@ class ErrorFeedbackCompressor:
         Args:
             shapes: the values' fully defined `tf.TensorShape`s, in the
                 order `combine` receives them.
-            num_replicas: the replicas of all workers (`communicator.size`).
+            num_replicas: the replicas of all workers (`transport.size`).
             bytes_per_pack: as `combine` takes it.
 
         Returns:
@@ -224,77 +209,40 @@ class ErrorFeedbackCompressor:
         return f"{type(self).__name__}({arguments})"
 
 
-def combine_with_state(
-    compressor, communicator, values, states, scales, bytes_per_pack, jit_compile, step
-):
-    """`compressor.combine`, with its `start_step` and a guard on the state.
+def combine_kept_finite(compressor, transport, values, states, weights):
+    """`compressor.combine`, keeping each replica's old state where the
+    combined values are not finite.
 
-    The new state is kept only where the combined values are all finite:
-    a non-finite gradient (an overflow under mixed precision, a window that
+    A non-finite gradient (an overflow under mixed precision, a window that
     accumulation skips) must not turn every later step's residual into
     NaN. The combined values are the same on every replica, so every
     replica decides alike.
 
     Args:
         compressor: an `ErrorFeedbackCompressor`.
-        communicator, values, states, scales, bytes_per_pack, jit_compile:
-            as `ErrorFeedbackCompressor.combine` takes them.
-        step: a scalar integer tensor, the optimizer's step, the same on
-            every replica; read only if `compressor.start_step > 0`.
+        transport, values, states, weights: as
+            `ErrorFeedbackCompressor.combine` takes them.
 
     Returns:
         `(combined, new_states)`, as `combine` returns them.
     """
-
-    def compressed():
-        combined, new_states, *finite = compressor.combine(
-            communicator, values, states, scales, bytes_per_pack, jit_compile
-        )
-        finite = finite[0] if finite else [None] * len(combined)
-        guarded = []
-        for device, replica_combined, new, old, replica_finite in zip(
-            communicator.devices, combined, new_states, states, finite
-        ):
-            with tf.device(device):
-                if replica_finite is None:
-                    replica_finite = all_finite(replica_combined)
-                # A cond picks one of the two states whole, where an
-                # elementwise select would read both and write a copy.
-                if tf.nest.flatten(new):
-                    new = tf.cond(replica_finite, lambda new=new: new, lambda old=old: old)
-                guarded.append(new)
-        return combined, guarded
-
-    if compressor.start_step == 0:
-        return compressed()
-
-    def uncompressed():
-        return sum_uncompressed(communicator, values, scales, jit_compile), states
-
-    return tf.cond(step < compressor.start_step, uncompressed, compressed)
-
-
-def sum_uncompressed(communicator, values, scales, jit_compile):
-    """Every replica's `values`, scaled and summed exactly, in one
-    all-reduce of one flat buffer per replica.
-
-    Returns:
-        For each local replica, the list of summed tensors.
-    """
-    flats = []
-    for device, replica_values, scale in zip(communicator.devices, values, scales):
+    combined, new_states, *finite = compressor.combine(
+        transport, values, states, weights, transport.bytes_per_pack, transport.jit_compile
+    )
+    finite = finite[0] if finite else [None] * len(combined)
+    guarded = []
+    for device, replica_combined, new, old, replica_finite in zip(
+        transport.devices, combined, new_states, states, finite
+    ):
         with tf.device(device):
-            flats.append(
-                packing.flatten(
-                    replica_values, scale, jit_compile=packing.use_xla(jit_compile, device)
-                )
-            )
-    summed = communicator.all_reduce(flats)
-    results = []
-    for device, flat, like in zip(communicator.devices, summed, values):
-        with tf.device(device):
-            results.append(packing.unflatten(flat, like))
-    return results
+            if replica_finite is None:
+                replica_finite = all_finite(replica_combined)
+            # A cond picks one of the two states whole, where an
+            # elementwise select would read both and write a copy.
+            if tf.nest.flatten(new):
+                new = tf.cond(replica_finite, lambda new=new: new, lambda old=old: old)
+            guarded.append(new)
+    return combined, guarded
 
 
 def compiled(function, jit_compile, device):

@@ -132,12 +132,12 @@ class Int8(ErrorFeedbackCompressor):
         flat = tf.reshape(dequantize(codes, scales), [-1])
         return tf.cast(tf.reshape(flat[:length], shape), dtype)
 
-    def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
-        devices = communicator.devices
+    def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
+        devices = transport.devices
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        for pack, layout in _plan(sizes, communicator.size, self.chunk_size, bytes_per_pack):
+        for pack, layout in _plan(sizes, transport.size, self.chunk_size, bytes_per_pack):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
@@ -149,15 +149,19 @@ class Int8(ErrorFeedbackCompressor):
                     wire, error = self._quantized(flat, layout.parts, jit_compile, device)
                 wires.append(wire)
                 worker_errors.append(error)
-            received = communicator.all_to_all(wires)
+            # The sum is never taken in int8: each replica dequantizes the
+            # copies of its part it receives and sums them in float32.
+            sum_part = compiled(_sum_part, jit_compile, devices[0])
+            totals = transport.reduce_scatter(
+                wires, sum_parts=lambda received: sum_part(received, layout)
+            )
             rows, owner_errors = [], []
-            for device, part in zip(devices, received):
+            for device, total in zip(devices, totals):
                 with tf.device(device):
-                    total = compiled(_sum_part, jit_compile, device)(part, layout)
                     row, error = self._quantized(total, 1, jit_compile, device)
                 rows.append(row)
                 owner_errors.append(error)
-            gathered = communicator.all_gather(rows)
+            gathered = transport.all_gather(rows)
             for r, device in enumerate(devices):
                 with tf.device(device):
                     # TensorFlow's own split hands out pieces of a buffer
@@ -166,7 +170,7 @@ class Int8(ErrorFeedbackCompressor):
                     tensors = _split(flat, shapes)
                     if self.error_feedback:
                         error = compiled(_error, jit_compile, device)(
-                            worker_errors[r], owner_errors[r], communicator.rank(r), layout
+                            worker_errors[r], owner_errors[r], transport.rank(r), layout
                         )
                         residuals = _split(error, shapes)
                 for position, index in enumerate(pack):

@@ -38,7 +38,6 @@ import tensorflow as tf
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
 from tf_agn.compression.error_feedback import StateSpec
 from tf_agn.compression.error_feedback import compiled
-from tf_agn.compression.error_feedback import sum_uncompressed
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
@@ -150,13 +149,13 @@ class PowerSGD(ErrorFeedbackCompressor):
         basis, q = payload
         return tf.cast(tf.reshape(low_rank(basis, q), shape), dtype)
 
-    def combine(self, communicator, values, states, scales, bytes_per_pack, jit_compile):
-        devices = communicator.devices
+    def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
+        devices = transport.devices
         plan = tuple(
             (tuple(v.shape.as_list()), self.matrix_shape(v.shape)) for v in values[0]
         )
         if not any(matrix for _, matrix in plan):
-            return sum_uncompressed(communicator, values, scales, jit_compile), states
+            return transport.all_reduce(values, scales), states
 
         firsts, matrices = [], []
         for r, device in enumerate(devices):
@@ -166,7 +165,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                 )
             firsts.append(first)
             matrices.append(replica_matrices)
-        summed_firsts = communicator.all_reduce(firsts)
+        summed_firsts = [summed for (summed,) in transport.all_reduce([[f] for f in firsts])]
         seconds, bases = [], []
         for r, device in enumerate(devices):
             with tf.device(device):
@@ -175,7 +174,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                 )
             seconds.append(second)
             bases.append(basis)
-        summed_seconds = communicator.all_reduce(seconds)
+        summed_seconds = [summed for (summed,) in transport.all_reduce([[s] for s in seconds])]
         combined, new_states, finite = [], [], []
         for r, device in enumerate(devices):
             with tf.device(device):

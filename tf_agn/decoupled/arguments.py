@@ -8,6 +8,8 @@ says what is allowed.
 import keras
 import tensorflow as tf
 
+from tf_agn import devices as devices_lib
+
 REDUCTIONS = ("mean", "sum")
 
 
@@ -74,21 +76,7 @@ def resolve_devices(devices, num_stages):
             f"devices must name one device per stage, {num_stages}; received "
             f"{len(devices)}: {devices}."
         )
-    by_spec = {
-        (d.device_type, tf.DeviceSpec.from_string(d.name).device_index): d.name
-        for d in available
-    }
-    resolved = []
-    for device in devices:
-        spec = tf.DeviceSpec.from_string(device)
-        key = (spec.device_type and spec.device_type.upper(), spec.device_index)
-        if key not in by_spec:
-            raise ValueError(
-                f"Unknown device {device!r}. Allowed: "
-                f"{[d.name for d in available]}."
-            )
-        resolved.append(by_spec[key])
-    return resolved
+    return [devices_lib.resolve(device, "devices") for device in devices]
 
 
 def _as_model(stage, index):

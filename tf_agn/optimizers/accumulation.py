@@ -39,7 +39,8 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.finite import all_finite
-from tf_agn.replica_aggregation import aggregate_gradients
+from tf_agn.replica_aggregation import aggregate
+from tf_agn.replica_aggregation import gradient_scale
 
 ACCUMULATION_REDUCTIONS = ("mean", "sum")
 
@@ -138,11 +139,11 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
     ]
     scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
-    combined = aggregate_gradients(
+    combined = aggregate(
         window,
         optimizer.resolved_aggregation,
-        optimizer._communication,
-        value_scale=scale,
+        value_scale=gradient_scale() * scale,
+        counter=optimizer._communication,
         when=is_last,
         **optimizer.compression_arguments(variables),
     )

@@ -22,9 +22,10 @@ from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.compression_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
-from tf_agn.replica_aggregation import aggregate_gradients
+from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
 from tf_agn.replica_aggregation import default_compression
+from tf_agn.replica_aggregation import gradient_scale
 
 
 class Aggregating:
@@ -243,8 +244,12 @@ class Aggregating:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         arguments = self.compression_arguments(trainable_variables)
         check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
-        grads = aggregate_gradients(
-            grads, self.resolved_aggregation, self._communication, **arguments
+        grads = aggregate(
+            grads,
+            self.resolved_aggregation,
+            value_scale=gradient_scale(),
+            counter=self._communication,
+            **arguments,
         )
         self._apply_combined(grads, trainable_variables, learning_rate)
 

@@ -1,6 +1,8 @@
 """`WindowedOptimizer`: λ local steps, then a commit; the algorithms' shared
 machinery."""
 
+import functools
+
 import keras
 from keras import ops
 import tensorflow as tf
@@ -234,7 +236,7 @@ class WindowedOptimizer(DistributedOptimizer):
         window_ends = ops.equal(self.inner_optimizer.iterations % self.local_steps, 0)
         ops.cond(
             window_ends,
-            lambda: strategy.extended.call_for_each_replica(self._commit),
+            functools.partial(strategy.extended.call_for_each_replica, self._commit),
             lambda: None,
         )
 
@@ -291,11 +293,10 @@ class WindowedOptimizer(DistributedOptimizer):
         combined = aggregate(
             deltas,
             self.aggregation,
-            1,
-            self._communication,
             compressor=self.resolved_compression,
             state=self._commit_state,
             step=self.outer_optimizer.iterations,
+            counter=self._communication,
         )
         # The center update runs per replica, like the local steps: every
         # replica holds the same combined Δ, so the copies of θ_c stay equal.
