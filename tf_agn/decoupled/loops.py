@@ -3,9 +3,8 @@
 `fit` feeds a `Pipeline` one batch per tick and drains it at every epoch's
 end, inside the callback, progress-bar and `History` skeleton it shares with
 parameter-server training (`tf_agn.training_loop.run_epochs`); `evaluate`
-scores the model's predictions batch by batch. Both report a loss tracker
-and the compiled metrics, passed as the pair `(loss_tracker,
-compiled_metrics)` that `Pipeline` takes.
+scores the model's predictions batch by batch. Both report a
+`tf_agn.decoupled.metrics.Metrics`.
 """
 
 import numpy as np
@@ -35,10 +34,10 @@ def fit(
     model.tick_trace = []
     empty_x = tf.zeros_like(x[:batch_size])
     empty_y = tf.zeros_like(y[:batch_size])
-    metrics = (pipeline.loss_tracker, pipeline.compiled_metrics)
+    metrics = pipeline.metrics
 
     def run_epoch(epoch, callbacks):
-        reset_metrics(metrics)
+        metrics.reset()
         order = np.random.permutation(len(x)) if shuffle else np.arange(len(x))
         for tick in range(model.schedule.num_ticks(num_batches)):
             # Batch `tick` enters at tick `tick`; then the pipeline
@@ -50,16 +49,12 @@ def fit(
                 x_batch, y_batch, batch_id = x[batch], y[batch], tick
             else:
                 x_batch, y_batch, batch_id = empty_x, empty_y, -1
-            ids = pipeline.tick(
-                x_batch,
-                y_batch,
-                tf.constant(batch_id, tf.int32),
-                tf.constant(tick, tf.int64),
+            model.tick_trace.append(
+                _run_tick(pipeline, x_batch, y_batch, batch_id, tick)
             )
-            model.tick_trace.append(np.stack([i.numpy() for i in ids]))
             if feeding:
-                callbacks.on_train_batch_end(tick, metric_logs(metrics))
-        return metric_logs(metrics)
+                callbacks.on_train_batch_end(tick, metrics.logs())
+        return metrics.logs()
 
     def validate():
         return model.evaluate(*validation_data, batch_size=batch_size, return_dict=True)
@@ -80,32 +75,25 @@ def fit(
 def evaluate(model, x, y, batch_size, verbose, metrics):
     """The logs of `metrics` over `model`'s predictions on `(x, y)`; see
     `DecoupledModel.evaluate`."""
-    reset_metrics(metrics)
-    loss_tracker, compiled_metrics = metrics
+    metrics.reset()
     predictions = model.predict(x, batch_size=batch_size, verbose=verbose)
     for start in range(0, len(x), batch_size):
         end = start + batch_size
         y_batch = tf.convert_to_tensor(y[start:end])
         y_pred = tf.convert_to_tensor(predictions[start:end])
-        loss_tracker.update_state(model.loss(y_batch, y_pred), sample_weight=len(y_batch))
-        if compiled_metrics is not None:
-            compiled_metrics.update_state(y_batch, y_pred)
-    return metric_logs(metrics)
+        metrics.update(
+            model.loss(y_batch, y_pred), y_batch, y_pred, sample_weight=len(y_batch)
+        )
+    return metrics.logs()
 
 
-def reset_metrics(metrics):
-    """Resets a `(loss_tracker, compiled_metrics)` pair."""
-    loss_tracker, compiled_metrics = metrics
-    loss_tracker.reset_state()
-    if compiled_metrics is not None:
-        compiled_metrics.reset_state()
-
-
-def metric_logs(metrics):
-    """`{"loss": float, <compiled metric>: float, ...}` of a
-    `(loss_tracker, compiled_metrics)` pair."""
-    loss_tracker, compiled_metrics = metrics
-    logs = {"loss": loss_tracker.result()}
-    if compiled_metrics is not None:
-        logs.update(compiled_metrics.result())
-    return {name: float(value) for name, value in logs.items()}
+def _run_tick(pipeline, x_batch, y_batch, batch_id, tick):
+    """Runs one tick of `pipeline`; returns its `[2, K]` batch ids, as
+    numpy: forwarded, then backpropagated."""
+    ids = pipeline.tick(
+        x_batch,
+        y_batch,
+        tf.constant(batch_id, tf.int32),
+        tf.constant(tick, tf.int64),
+    )
+    return np.stack([i.numpy() for i in ids])

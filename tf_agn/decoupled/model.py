@@ -1,29 +1,23 @@
 """`DecoupledModel`: model-parallel training with delayed, accumulated
 gradients (ADL), and its DDG and BP baselines on the same machinery.
 
-It is not a `keras.Model` driven by Keras' `fit`, on purpose: a tick is not
-a batch (every epoch fills and then drains the pipeline with ticks that
-feed nothing, so that validation and checkpoints see every batch applied),
-and the K stages keep K optimizers, one per device, where a `keras.Model`
-has one. Its `fit` runs the ticks, and `evaluate` its batches, in
-`tf_agn.decoupled.loops`; its arguments are checked in
-`tf_agn.decoupled.arguments`.
+Its arguments are checked in `tf_agn.decoupled.arguments`; its `compile`,
+`fit`, `evaluate` and `predict` come from `tf_agn.decoupled.trainer`.
 """
 
-import keras
-import numpy as np
-import tensorflow as tf
-
-from tf_agn import _compat
-from tf_agn.decoupled import loops
 from tf_agn.decoupled.arguments import check_accumulation
 from tf_agn.decoupled.arguments import resolve_devices
 from tf_agn.decoupled.arguments import stage_models
-from tf_agn.decoupled.pipeline import Pipeline
 from tf_agn.decoupled.schedule import Schedule
+from tf_agn.decoupled.trainer import Trainer
 
 
-class DecoupledModel:
+# Not a `keras.Model` driven by Keras' `fit`, on purpose: a tick is not a
+# batch (every epoch fills and then drains the pipeline with ticks that feed
+# nothing, so that validation and checkpoints see every batch applied), and
+# the K stages keep K optimizers, one per device, where a `keras.Model` has
+# one.
+class DecoupledModel(Trainer):
     """Trains K stages of a network, stage k on device k, decoupled.
 
     Accumulated Decoupled Learning (Zhuang, Lin and Toh, 2020, arXiv
@@ -134,123 +128,11 @@ class DecoupledModel:
         """K, the number of stages."""
         return len(self.stages)
 
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None):
-        """Sets the optimizer every stage copies, the loss and the metrics.
-
-        Args:
-            optimizer: a Keras optimizer or its name; each stage gets a
-                fresh copy from its config.
-            loss: a Keras loss, its name or a function `(y_true, y_pred)`.
-            metrics: a list of Keras metrics or their names, as for
-                `keras.Model.compile`.
-        """
-        optimizer = keras.optimizers.get(optimizer)
-        self.optimizers = [
-            optimizer.__class__.from_config(optimizer.get_config()) for _ in self.stages
-        ]
-        loss = keras.losses.get(loss)
-        self.loss = (
-            loss if isinstance(loss, keras.losses.Loss) else _compat.LossFunctionWrapper(loss)
-        )
-        self._loss_tracker = keras.metrics.Mean(name="loss")
-        self._compiled_metrics = _compat.CompileMetrics(metrics, None) if metrics else None
-        self._pipeline = None
-        self._predict_function = None
-
-    def fit(
-        self,
-        x,
-        y,
-        batch_size=32,
-        epochs=1,
-        verbose="auto",
-        callbacks=None,
-        validation_data=None,
-        shuffle=True,
-    ):
-        """Trains for `epochs` passes over `(x, y)`, like `keras.Model.fit`.
-
-        Every epoch feeds its batches one per tick, then drains the pipeline
-        (`Schedule.num_ticks`), so at the end of an epoch all its batches
-        have been applied and validation, checkpoints and early stopping see
-        a consistent model. Draining idles stages for up to 2 (K − 1) ticks
-        per epoch. Accumulators are not flushed: fewer than M remaining
-        backward passes wait for the next epoch.
-
-        Args:
-            x: the training inputs, a numpy array.
-            y: the training labels.
-            batch_size: examples per batch; a last partial batch is dropped,
-                as the buffers hold a fixed batch size.
-            epochs: passes over the data.
-            verbose: 0 silent, 1 progress bar, 2 one line per epoch; "auto"
-                is 1.
-            callbacks: Keras callbacks; they see this model as their
-                `model` (with `stop_training`, `get_weights`, ...).
-            validation_data: `(x_val, y_val)`, evaluated after every epoch.
-            shuffle: reshuffle the training data every epoch.
-
-        Returns:
-            The `keras.callbacks.History` of the run.
-
-        Raises:
-            RuntimeError: if the model is not compiled.
-            ValueError: if there are fewer examples than `batch_size`.
-        """
-        self._check_compiled()
-        x, y = np.asarray(x), np.asarray(y)
-        num_batches = len(x) // batch_size
-        if num_batches < 1:
-            raise ValueError(
-                f"fit needs at least batch_size={batch_size} examples; "
-                f"received {len(x)}."
-            )
-        pipeline = self._pipeline_for(x[:batch_size], y[:batch_size])
-        return loops.fit(
-            self, pipeline, x, y, num_batches, batch_size,
-            epochs, verbose, callbacks, validation_data, shuffle,
-        )
-
-    def evaluate(self, x, y, batch_size=32, verbose=0, return_dict=False):
-        """The loss and metrics on `(x, y)`, the stages run in sequence.
-
-        Returns:
-            The loss if no metrics were compiled, else `[loss, *metrics]`,
-            or a dict of them with `return_dict`.
-        """
-        self._check_compiled()
-        logs = loops.evaluate(
-            self, x, y, batch_size, verbose, (self._loss_tracker, self._compiled_metrics)
-        )
-        if return_dict:
-            return logs
-        return logs["loss"] if len(logs) == 1 else list(logs.values())
-
-    def predict(self, x, batch_size=32, verbose=0):
-        """The model's output on `x`, the stages run in sequence on their
-        devices, in inference mode; `verbose` is accepted for Keras
-        compatibility and ignored."""
-        del verbose
-        if self._predict_function is None:
-            self._predict_function = tf.function(self._forward, reduce_retracing=True)
-        outputs = [
-            self._predict_function(x[start : start + batch_size])
-            for start in range(0, len(x), batch_size)
-        ]
-        return np.concatenate([keras.ops.convert_to_numpy(o) for o in outputs])
-
-    def _forward(self, x, training=False):
-        for stage, device in zip(self.stages, self.devices):
-            with tf.device(device):
-                x = stage(x, training=training)
-        return x
-
     def staleness(self):
         """The staleness measured so far, per stage.
 
         A batch's staleness at stage k is the number of stage k's optimizer
-        steps between its forward and its backward there, read from the
-        step counters inside the tick function.
+        steps between its forward and its backward there.
 
         Returns:
             A list with, per stage, `{"delay": D_k, "mean": float or None
@@ -261,22 +143,7 @@ class DecoupledModel:
                 {"delay": d, "mean": None, "histogram": {}}
                 for d in self.schedule.delays
             ]
-        report = []
-        for delay, histogram in zip(self.schedule.delays, self._pipeline.histograms):
-            counts = histogram.numpy()
-            total = counts.sum()
-            report.append(
-                {
-                    "delay": delay,
-                    "mean": (
-                        float(counts @ np.arange(len(counts)) / total)
-                        if total
-                        else None
-                    ),
-                    "histogram": {s: int(c) for s, c in enumerate(counts) if c},
-                }
-            )
-        return report
+        return self._pipeline.accumulation.staleness()
 
     def get_weights(self):
         """The weights of every stage, in order, as numpy arrays."""
@@ -289,42 +156,3 @@ class DecoupledModel:
             count = len(stage.weights)
             stage.set_weights(weights[:count])
             weights = weights[count:]
-
-    def _check_compiled(self):
-        if self.optimizers is None:
-            raise RuntimeError(
-                "Call compile(optimizer, loss, metrics) before fit or evaluate."
-            )
-
-    def _pipeline_for(self, x_batch, y_batch):
-        """The pipeline for this batch size, built on first use.
-
-        Runs one batch through the stages eagerly (in inference mode) to
-        build them and learn the shape of every activation.
-        """
-        batch_size = len(x_batch)
-        if self._pipeline is not None and self._pipeline.batch_size == batch_size:
-            return self._pipeline
-        specs = [tf.TensorSpec(x_batch.shape[1:], tf.as_dtype(x_batch.dtype))]
-        activation = x_batch
-        for stage, device, optimizer in zip(self.stages, self.devices, self.optimizers):
-            with tf.device(device):
-                activation = stage(activation, training=False)
-                optimizer.build(stage.trainable_variables)
-            specs.append(tf.TensorSpec(activation.shape[1:], activation.dtype))
-        if self._compiled_metrics is not None and not self._compiled_metrics.built:
-            self._compiled_metrics.build(y_batch, activation)
-        self._pipeline = Pipeline(
-            self.stages,
-            self.devices,
-            self.optimizers,
-            self.schedule,
-            self.accumulation_steps,
-            self.reduction,
-            self.loss,
-            (self._loss_tracker, self._compiled_metrics),
-            batch_size,
-            specs,
-            tf.TensorSpec(y_batch.shape[1:], tf.as_dtype(y_batch.dtype)),
-        )
-        return self._pipeline
