@@ -73,8 +73,21 @@ def fit(
     restarted with the same `checkpoint_dir` (for example after a
     parameter-server failure) resumes from the latest checkpoint and
     re-runs only the windows it had not applied, so it loses at most one
-    interval. Each save waits for the windows scheduled before it, so that
-    the checkpoint is consistent.
+    interval. Each save first waits for the windows scheduled before it.
+
+    Example:
+
+    ```python
+    with tf_agn.strategies.LocalCluster(num_workers=2) as cluster:
+        strategy = tf_agn.strategies.parameter_server(cluster)
+        with strategy.scope():
+            model = tf_agn.models.mlp((784,), 10)
+            model.compile(optimizer=tf_agn.optimizers.AGN(local_steps=10),
+                          loss="sparse_categorical_crossentropy")
+        history = tf_agn.strategies.fit(
+            model, lambda input_context: dataset.repeat().batch(32),
+            epochs=2, steps_per_epoch=40)
+    ```
 
     Args:
         model: a compiled Keras model, created under the strategy's scope.
@@ -108,84 +121,140 @@ def fit(
     strategy = model.distribute_strategy
     optimizer = check_model(model, strategy)
     check_fit_arguments(steps_per_epoch, checkpoint_every)
-    local_steps = optimizer.local_steps
-    windows_per_epoch = math.ceil(steps_per_epoch / local_steps)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        server = CommitServer(
-            optimizer,
-            model.trainable_variables,
-            epochs * windows_per_epoch,
-            reject_non_finite,
-        )
-        worker = Worker(model, optimizer, server, strategy)
-    input_context = tf.distribute.InputContext(
-        num_input_pipelines=1,
-        input_pipeline_id=0,
-        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    windows_per_epoch = math.ceil(steps_per_epoch / optimizer.local_steps)
+    runner = _WindowRunner(
+        model,
+        optimizer,
+        dataset_fn,
+        epochs=epochs,
+        windows_per_epoch=windows_per_epoch,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        reject_non_finite=reject_non_finite,
     )
-    build_compiled_metrics(model, dataset_from(dataset_fn, input_context, model))
-    manager = checkpoint_manager(model, server, checkpoint_dir)
-    applied = server.applied_windows.numpy().astype(bool)
-
-    per_worker_dataset = coordinator.create_per_worker_dataset(
-        lambda: dataset_from(dataset_fn, input_context, model)
-    )
-    iterator = iter(per_worker_dataset)
-    run_window = window_function(worker, local_steps)
-
-    staleness = Staleness()
-
-    def schedule(window):
-        return coordinator.schedule(run_window, args=(iterator, tf.constant(window, tf.int64)))
-
-    def run_epoch(epoch, callback_list):
-        first = epoch * windows_per_epoch
-        pending = [w for w in range(first, first + windows_per_epoch) if not applied[w]]
-        epoch_staleness = Staleness()
-        losses = []
-        chunk = checkpoint_every or len(pending)
-        for start in range(0, len(pending), chunk):
-            scheduled = [(w, schedule(w)) for w in pending[start : start + chunk]]
-            for window, result in scheduled:
-                callback_list.on_train_batch_begin(window - first)
-                loss, window_staleness, outcome = fetch_window(result, lambda: schedule(window))
-                if outcome == APPLIED:
-                    staleness.record(window_staleness)
-                    epoch_staleness.record(window_staleness)
-                if outcome != REJECTED_NON_FINITE:
-                    losses.append(float(loss))
-                callback_list.on_train_batch_end(
-                    window - first, {"loss": _mean(losses)}
-                )
-            if manager is not None:
-                manager.save()
-        write_staleness_histogram(callback_list, staleness, epoch)
-        return {
-            "loss": _mean(losses),
-            "staleness": epoch_staleness.mean,
-            "commits": int(server.commits.numpy()),
-            "rejected_commits": int(server.rejected.numpy()),
-        }
-
-    def restored(epoch):
-        # Every window of the epoch was applied before a checkpoint.
-        first = epoch * windows_per_epoch
-        return bool(applied[first : first + windows_per_epoch].all())
-
     history = run_epochs(
         model,
         epochs,
         windows_per_epoch,
-        run_epoch,
+        runner.run_epoch,
         callbacks=callbacks,
         verbose=verbose,
         validate=None if validation_data is None else lambda: evaluate(model, validation_data),
-        skip_epoch=restored,
+        skip_epoch=runner.epoch_restored,
     )
-    history.staleness = staleness
-    history.server = server
+    history.staleness = runner.staleness
+    history.server = runner.server
     return history
+
+
+class _WindowRunner:
+    """Runs `fit`'s windows on a `ClusterCoordinator`, epoch by epoch.
+
+    It first restores the center, the server's counters and the record of
+    applied windows from the latest checkpoint in `checkpoint_dir`.
+
+    Args:
+        model: as `fit`'s.
+        optimizer: the model's `WindowedOptimizer`.
+        dataset_fn: as `fit`'s.
+        epochs: as `fit`'s.
+        windows_per_epoch: the windows of an epoch.
+        checkpoint_dir: as `fit`'s.
+        checkpoint_every: as `fit`'s.
+        reject_non_finite: as `fit`'s.
+
+    Attributes:
+        server: the `CommitServer`.
+        staleness: the `Staleness` of every commit applied so far.
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        dataset_fn,
+        epochs,
+        windows_per_epoch,
+        checkpoint_dir,
+        checkpoint_every,
+        reject_non_finite,
+    ):
+        self._windows_per_epoch = windows_per_epoch
+        self._checkpoint_every = checkpoint_every
+        strategy = model.distribute_strategy
+        self._coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            self.server = CommitServer(
+                optimizer,
+                model.trainable_variables,
+                epochs * windows_per_epoch,
+                reject_non_finite,
+            )
+            worker = Worker(model, optimizer, self.server, strategy)
+        input_context = tf.distribute.InputContext(
+            num_input_pipelines=1,
+            input_pipeline_id=0,
+            num_replicas_in_sync=strategy.num_replicas_in_sync,
+        )
+        build_compiled_metrics(model, dataset_from(dataset_fn, input_context, model))
+        self._manager = checkpoint_manager(model, self.server, checkpoint_dir)
+        self._applied = self.server.applied_windows.numpy().astype(bool)
+        per_worker_dataset = self._coordinator.create_per_worker_dataset(
+            lambda: dataset_from(dataset_fn, input_context, model)
+        )
+        self._iterator = iter(per_worker_dataset)
+        self._run_window = window_function(worker, optimizer.local_steps)
+        self.staleness = Staleness()
+
+    def epoch_restored(self, epoch):
+        """Whether every window of `epoch` was applied before the checkpoint
+        this run restored."""
+        first = epoch * self._windows_per_epoch
+        return bool(self._applied[first : first + self._windows_per_epoch].all())
+
+    def run_epoch(self, epoch, callback_list):
+        """Runs the windows of `epoch` that no checkpoint holds, calling
+        `callback_list`'s batch hooks around each.
+
+        Returns:
+            The epoch's logs.
+        """
+        first = epoch * self._windows_per_epoch
+        pending = [
+            w for w in range(first, first + self._windows_per_epoch) if not self._applied[w]
+        ]
+        epoch_staleness = Staleness()
+        losses = []
+        chunk = self._checkpoint_every or len(pending)
+        for start in range(0, len(pending), chunk):
+            scheduled = [(w, self._schedule(w)) for w in pending[start : start + chunk]]
+            for window, result in scheduled:
+                callback_list.on_train_batch_begin(window - first)
+                loss, window_staleness, outcome = fetch_window(
+                    result, lambda: self._schedule(window)
+                )
+                if outcome == APPLIED:
+                    self.staleness.record(window_staleness)
+                    epoch_staleness.record(window_staleness)
+                if outcome != REJECTED_NON_FINITE:
+                    losses.append(float(loss))
+                callback_list.on_train_batch_end(window - first, {"loss": _mean(losses)})
+            # Every window scheduled before the save has been fetched: the
+            # checkpoint is consistent.
+            if self._manager is not None:
+                self._manager.save()
+        write_staleness_histogram(callback_list, self.staleness, epoch)
+        return {
+            "loss": _mean(losses),
+            "staleness": epoch_staleness.mean,
+            "commits": int(self.server.commits.numpy()),
+            "rejected_commits": int(self.server.rejected.numpy()),
+        }
+
+    def _schedule(self, window):
+        return self._coordinator.schedule(
+            self._run_window, args=(self._iterator, tf.constant(window, tf.int64))
+        )
 
 
 def _mean(values):

@@ -1,20 +1,17 @@
 """`BackupAndRestore`: fault-tolerant `fit` for one process or many workers
 sharing one backup directory, restoring every replica's own state."""
 
-import json
 import os
-import re
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
-
-# The file that names the latest complete backup; written last, by the chief.
-POINTER = "latest.json"
-_FORMAT = 1
-_CHECKPOINT = re.compile(r"^ckpt-(\d+)\.(.+)\.npz(\.tmp)?$")
+from tf_agn.backup_files import POINTER  # noqa: F401  (part of this module's interface)
+from tf_agn.backup_files import BackupFiles
+from tf_agn.backup_files import Task
+from tf_agn.replica_state import assign_local_copies
+from tf_agn.replica_state import local_copies
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -24,49 +21,30 @@ class BackupAndRestore(keras.callbacks.Callback):
     several workers (`tf_agn.strategies.multi_worker_mirrored`) share one
     backup directory, and that restores what Keras's cannot:
 
-    - **One writer per file.** Keras's callback has every worker write the
-      same `latest.weights.h5`; two workers on one filesystem clash
-      (`BlockingIOError: unable to lock file`) or overwrite each other.
-      Here each task (worker or chief) writes only its own state file, and
-      only the chief (worker 0, or the "chief" task) writes the shared
-      pointer `latest.json`, after every task's file is complete.
-    - **Atomic.** Every file is written under a temporary name in the same
-      directory, flushed to disk (`fsync`) and renamed (`os.replace`). A
-      collective among all replicas (a `strategy.reduce` SUM of a 1 from
-      each) makes sure every task has finished writing before the chief
-      renames the pointer, so the pointer never names an incomplete
-      backup, whenever a process dies. The previous backup stays on disk
-      until the next one is published.
-    - **Every replica's own state.** Keras saves a `MirroredVariable` as
-      replica 0's copy. With tf_agn's local steps (`AGN` and the other
-      windowed optimizers mid-window, aggregation NONE) the replicas'
-      weights and inner optimizer state (AGN's inner Adam moments) differ.
-      Each task saves its own replicas' copies of the model's variables,
-      of all of `model.optimizer.variables` and of the metrics, and puts
-      each copy back on its replica.
-    - **Mid-epoch resume.** With an int `save_freq`, the backup records
-      the step within the epoch. On restore, `fit` starts at the saved
-      epoch (as Keras's callback does) and the batches that epoch already
-      trained are drawn from the data and skipped without training, so at
-      most `save_freq` steps are redone and the run continues as if it had
-      never stopped. (Keras has no argument for a first step: until those
-      batches have passed, `model.train_function` is a wrapper that draws
-      them from the iterator.) Skipped batches still reach other
+    - **Every replica's own state**: its copy of the model's variables, of
+      all of `model.optimizer.variables` and of the metrics, which differ
+      between replicas with `AGN` and the other windowed optimizers
+      mid-window, or with aggregation NONE.
+    - **The step within the epoch**, with an int `save_freq`: `fit`
+      resumes at the saved epoch (as with Keras's callback) and skips,
+      without training, the batches it already trained, so at most
+      `save_freq` steps are redone. Skipped batches still reach other
       callbacks' `on_train_batch_*` hooks, with empty logs; the epoch's
-      logs cover all its batches, the metrics being restored too.
+      logs cover all its batches.
+
+    Each task (worker or chief) writes only its own files, and the chief
+    (worker 0, or the "chief" task) publishes a backup once every task's
+    file is complete: whenever a process dies, the latest backup is whole.
 
     A resumed run equals an uninterrupted one when every epoch feeds the
     same batches in the same order (`shuffle=False`, or a dataset with a
     fixed seed that does not reshuffle per epoch) and the model, optimizer
     and `fit` arguments are the same. Communication counters
-    (`communication_stats`) restart from zero.
-
-    Restarting is the job of a supervisor: `python -m
-    tf_agn.strategies.launch --multi_worker N --max_restarts K` on one
-    machine, systemd or Kubernetes on several (every worker reading the
-    same directory on a shared filesystem). A backup names the cluster
-    it was taken on: restoring it with another number of workers or
-    replicas raises a `ValueError`.
+    (`communication_stats`) restart from zero. Restarting is the job of a
+    supervisor: `python -m tf_agn.strategies.launch --multi_worker N
+    --max_restarts K` on one machine, systemd or Kubernetes on several
+    (every worker reading the same directory on a shared filesystem), on
+    the cluster shape the backup was taken on.
 
     Example:
 
@@ -119,7 +97,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._restored = None  # the pointer restored from, if any
         self._metric_arrays = None  # the restored epoch's metrics, until it begins
-        self._original_train_function = None
+        self._batch_skipper = None
 
     def get_config(self):
         return {
@@ -137,26 +115,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "data or build it before fit()."
             )
         strategy = self.model.distribute_strategy
-        self._task = _Task.of(strategy)
+        self._task = Task.of(strategy)
+        self._files = BackupFiles(self.backup_dir, self._task)
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        self._remove_own_temporary_files()
+        self._files.remove_temporary_files()
         self._epoch, self._step, self._steps_since_save = 0, 0, 0
         self._next_checkpoint = 0
-        pointer = _read_pointer(self.backup_dir)
-        self._restored = pointer
-        if pointer is None:
-            return
-        self._check_cluster(pointer)
-        arrays = self._load(self._path(pointer["checkpoint"], self._task.name))
-        _assign_per_replica(strategy, self._state_variables(), arrays, "state")
-        self._metric_arrays = arrays
-        self._next_checkpoint = pointer["checkpoint"] + 1
-        _compat.set_initial_epoch(self.model, pointer["epoch"])
-        if pointer["step"]:
-            self._skip_trained_batches(pointer["step"])
+        self._restored = self._files.read_pointer(strategy.num_replicas_in_sync)
+        if self._restored is not None:
+            self._restore(self._restored)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._step = epoch, 0
@@ -165,7 +135,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # `fit` reset the metrics just now: put back the interrupted
             # epoch's, so that its logs cover all of its batches.
             self._step = restored["step"]
-            _assign_per_replica(
+            assign_local_copies(
                 self.model.distribute_strategy,
                 self.model.metrics_variables,
                 self._metric_arrays,
@@ -191,13 +161,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        self._stop_skipping()
+        if self._batch_skipper is not None:
+            self._batch_skipper.stop()
+            self._batch_skipper = None
         _compat.set_initial_epoch(self.model, None)
         self._restored = None
         if self.delete_checkpoint and self._task.is_chief:
-            self._delete_backup()
+            self._files.delete_backup()
 
-    # Saving --------------------------------------------------------------
+    # Saving and restoring ------------------------------------------------
 
     def _state_variables(self):
         """The variables a backup holds but for the metrics, in a fixed
@@ -208,24 +180,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             variables += list(self.model.optimizer.variables)
         return variables
 
-    def _path(self, checkpoint, task_name):
-        return os.path.join(self.backup_dir, f"ckpt-{checkpoint}.{task_name}.npz")
-
     def _save(self, epoch, step):
-        """Every task writes its file; after all have, the chief publishes
-        the pointer to them; then each task drops its files older than
-        the previous backup."""
+        """Backs up the training state, to resume at `step` of `epoch`."""
         strategy = self.model.distribute_strategy
         checkpoint = self._next_checkpoint
         self._next_checkpoint += 1
-        arrays = _local_copies(strategy, self._state_variables(), "state")
-        arrays.update(_local_copies(strategy, self.model.metrics_variables, "metrics"))
-        path = self._path(checkpoint, self._task.name)
+        arrays = local_copies(strategy, self._state_variables(), "state")
+        arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
         failure = None
         try:
-            _write_atomically(path, lambda f: np.savez(f, **arrays))
+            self._files.write_state(checkpoint, arrays)
         except OSError as error:  # still join the barrier, or peers hang
             failure = error
+        # A collective among all replicas: once it returns, every task has
+        # finished writing, so the pointer the chief then writes never names
+        # an incomplete backup, whenever a process dies.
         written = _sum_over_replicas(strategy, 0.0 if failure else 1.0)
         if failure is not None:
             raise failure
@@ -236,184 +205,62 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "backup stays the latest."
             )
         if self._task.is_chief:
-            pointer = {
-                "format": _FORMAT,
-                "checkpoint": checkpoint,
-                "epoch": epoch,
-                "step": step,
-                "tasks": self._task.all_names,
-                "num_replicas_in_sync": strategy.num_replicas_in_sync,
-            }
-            _write_atomically(
-                os.path.join(self.backup_dir, POINTER),
-                lambda f: f.write(json.dumps(pointer).encode()),
-            )
+            self._files.write_pointer(checkpoint, epoch, step, strategy.num_replicas_in_sync)
         # The pointer names `checkpoint` or, if the chief has not renamed
         # it yet, `checkpoint - 1` (published before this save's barrier).
-        for old in self._own_files():
-            if _checkpoint_of(old) < checkpoint - 1:
-                os.remove(old)
+        self._files.remove_states_older_than(checkpoint - 1)
 
-    def _own_files(self):
-        """This task's backup files, temporary ones included."""
-        return [
-            os.path.join(self.backup_dir, name)
-            for name in os.listdir(self.backup_dir)
-            if _task_of(name) == self._task.name
-        ]
-
-    def _remove_own_temporary_files(self):
-        """Half-written files a dead process of this task left behind."""
-        for path in self._own_files():
-            if path.endswith(".tmp"):
-                os.remove(path)
-
-    def _delete_backup(self):
-        """The pointer first: a crash midway leaves no pointer to missing
-        files."""
-        pointer = os.path.join(self.backup_dir, POINTER)
-        if os.path.exists(pointer):
-            os.remove(pointer)
-        for name in os.listdir(self.backup_dir):
-            if _CHECKPOINT.match(name) or name == POINTER + ".tmp":
-                os.remove(os.path.join(self.backup_dir, name))
-        if not os.listdir(self.backup_dir):
-            os.rmdir(self.backup_dir)
-
-    # Restoring -----------------------------------------------------------
-
-    def _check_cluster(self, pointer):
-        if pointer.get("format") != _FORMAT:
-            raise ValueError(
-                f"{os.path.join(self.backup_dir, POINTER)} has format "
-                f"{pointer.get('format')!r}; this tf_agn reads {_FORMAT}."
-            )
-        replicas = self.model.distribute_strategy.num_replicas_in_sync
-        if pointer["tasks"] != self._task.all_names or pointer["num_replicas_in_sync"] != replicas:
-            raise ValueError(
-                f"The backup in {self.backup_dir!r} was taken on tasks "
-                f"{pointer['tasks']} with {pointer['num_replicas_in_sync']} "
-                f"replicas; this cluster has tasks {self._task.all_names} with "
-                f"{replicas}. Restart on the same cluster shape, or delete "
-                "the backup to start over."
-            )
-
-    def _load(self, path):
-        try:
-            with np.load(path) as npz:
-                return dict(npz)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{os.path.join(self.backup_dir, POINTER)} names {path}, which "
-                "is missing: was the backup directory changed by hand?"
-            ) from None
-
-    def _skip_trained_batches(self, steps):
-        """Makes `fit`'s next `steps` batches pass without training.
-
-        `fit` calls `model.train_function(iterator)` once per
-        `steps_per_execution` batches, after `on_train_begin`. Until
-        `steps` batches have passed, the function takes them from the
-        iterator and returns no logs; then the model's own function is
-        back in place.
-        """
-        train_function = self.model.train_function
-        per_call = self.model.steps_per_execution
-        remaining = steps
-
-        def skip_or_train(iterator):
-            nonlocal remaining
-            if remaining <= 0:
-                return train_function(iterator)
-            for _ in range(min(per_call, remaining)):
-                next(iterator)
-            remaining -= per_call
-            if remaining <= 0:
-                self._stop_skipping()
-            return {}
-
-        self._original_train_function = train_function
-        self.model.train_function = skip_or_train
-
-    def _stop_skipping(self):
-        if self._original_train_function is not None:
-            self.model.train_function = self._original_train_function
-            self._original_train_function = None
+    def _restore(self, pointer):
+        """Restores the backup `pointer` names; `fit` resumes where it was
+        taken."""
+        arrays = self._files.read_state(pointer["checkpoint"])
+        strategy = self.model.distribute_strategy
+        assign_local_copies(strategy, self._state_variables(), arrays, "state")
+        self._metric_arrays = arrays
+        self._next_checkpoint = pointer["checkpoint"] + 1
+        _compat.set_initial_epoch(self.model, pointer["epoch"])
+        if pointer["step"]:
+            self._batch_skipper = _BatchSkipper(self.model, pointer["step"])
 
 
-class _Task:
-    """Which task of the cluster this process is, and which one writes the
-    shared pointer.
+class _BatchSkipper:
+    """Makes `fit`'s next `steps` batches pass without training.
 
-    Attributes:
-        name: this task's name in file names, e.g. "worker-1".
-        is_chief: whether it writes the pointer: the "chief" task, else
-            worker 0; a process outside a cluster is its own chief.
-        all_names: every task's name, chief first, as
-            `MultiWorkerMirroredStrategy` numbers them.
+    Until they have passed, `model.train_function` draws them from the
+    iterator and returns no logs; then the model's own function is back in
+    place.
+
+    Args:
+        model: the model whose `fit` is beginning.
+        steps: how many batches to skip.
     """
 
-    def __init__(self, name, is_chief, all_names):
-        self.name, self.is_chief, self.all_names = name, is_chief, all_names
+    def __init__(self, model, steps):
+        self._model = model
+        self._train_function = model.train_function
+        self._per_call = model.steps_per_execution
+        self._remaining = steps
+        self._skipping = True
+        # Keras's `fit` has no argument for a first step. After
+        # `on_train_begin`, it calls `model.train_function(iterator)` once per
+        # `steps_per_execution` batches: this wrapper takes their place.
+        model.train_function = self._skip_or_train
 
-    @classmethod
-    def of(cls, strategy):
-        resolver = strategy.cluster_resolver
-        jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
-        all_names = [f"chief-{i}" for i in range(len(jobs.get("chief", [])))]
-        all_names += [f"worker-{i}" for i in range(len(jobs.get("worker", [])))]
-        if resolver is None or not resolver.task_type or not all_names:
-            return cls("worker-0", True, ["worker-0"])
-        name = f"{resolver.task_type}-{int(resolver.task_id)}"
-        return cls(name, name == all_names[0], all_names)
+    def stop(self):
+        """Puts the model's own train function back, if not done yet."""
+        if self._skipping:
+            self._model.train_function = self._train_function
+            self._skipping = False
 
-
-def _tf_variable(variable):
-    """The TensorFlow variable behind a Keras one (a distributed variable
-    under a strategy)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _local_copies(strategy, variables, prefix):
-    """This process's replicas' copies of `variables`, as numpy arrays
-    named "<prefix>/<variable index>/<local replica>"; a replica's copy is
-    left out where it equals local replica 0's."""
-    arrays = {}
-    for index, variable in enumerate(variables):
-        copies = strategy.experimental_local_results(_tf_variable(variable))
-        first = copies[0].numpy()
-        arrays[f"{prefix}/{index}/0"] = first
-        for replica, copy in enumerate(copies[1:], start=1):
-            value = copy.numpy()
-            if not np.array_equal(value, first):
-                arrays[f"{prefix}/{index}/{replica}"] = value
-    return arrays
-
-
-def _assign_per_replica(strategy, variables, arrays, prefix):
-    """Puts each of this process's replicas' saved copy back on its copy of
-    each variable (replica 0's where the replica's own equalled it).
-
-    Raises:
-        ValueError: if the backup holds other variables.
-    """
-    saved = sum(1 for key in arrays if key.startswith(prefix + "/") and key.endswith("/0"))
-    if saved != len(variables):
-        raise ValueError(
-            f"The backup holds {saved} {prefix} variables; this model has "
-            f"{len(variables)}. Was it taken from another model or optimizer?"
-        )
-    for index, variable in enumerate(variables):
-        first = arrays[f"{prefix}/{index}/0"]
-        copies = strategy.experimental_local_results(_tf_variable(variable))
-        if tuple(first.shape) != tuple(copies[0].shape):
-            raise ValueError(
-                f"The backup's {prefix} variable {index} has shape "
-                f"{first.shape}; this model's ({variable.name}) has "
-                f"{tuple(copies[0].shape)}. Was it taken from another model?"
-            )
-        for replica, copy in enumerate(copies):
-            copy.assign(arrays.get(f"{prefix}/{index}/{replica}", first))
+    def _skip_or_train(self, iterator):
+        if self._remaining <= 0:
+            return self._train_function(iterator)
+        for _ in range(min(self._per_call, self._remaining)):
+            next(iterator)
+        self._remaining -= self._per_call
+        if self._remaining <= 0:
+            self.stop()
+        return {}
 
 
 def _sum_over_replicas(strategy, value):
@@ -423,41 +270,3 @@ def _sum_over_replicas(strategy, value):
         lambda context: tf.constant(value, tf.float32)
     )
     return float(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
-
-
-def _write_atomically(path, write):
-    """Writes `path` so that it holds either its old content or all of the
-    new, whenever the process dies: `write(file)` fills `path + ".tmp"`,
-    which is flushed to disk and renamed over `path`."""
-    temporary = path + ".tmp"
-    with open(temporary, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    # The rename itself reaches the disk with the directory.
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def _read_pointer(backup_dir):
-    """The latest complete backup's description, or None if there is none."""
-    try:
-        with open(os.path.join(backup_dir, POINTER)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def _checkpoint_of(path):
-    """The number of the backup a file of it belongs to."""
-    return int(_CHECKPOINT.match(os.path.basename(path)).group(1))
-
-
-def _task_of(name):
-    """The task that writes the backup file `name`; None for other files."""
-    match = _CHECKPOINT.match(name)
-    return match.group(2) if match else None
