@@ -293,7 +293,7 @@ def test_agn_trains_with_compressed_commits_and_round_trips():
     assert loss[-1] < 0.7 * loss[0]
     config = model.optimizer.get_config()
     again = tf_agn.optimizers.AGN.from_config(config)
-    assert again.commit_compression.get_config() == compression.PowerSGD(rank=2).get_config()
+    assert again.compression.get_config() == compression.PowerSGD(rank=2).get_config()
     # Only the commits carry compression state; the local steps send nothing.
     inner_paths = [v.path for v in model.optimizer.inner_optimizer.variables]
     assert not any(p.endswith(COMPRESSION_STATE) for p in inner_paths)

@@ -17,6 +17,16 @@ import tf_agn
 
 NAMES = sorted(saved_optimizers.configurations())
 
+# What each file's optimizer was made with, read back from the loaded one.
+SETTINGS = {
+    "agn_adam_int8": ("AGN", "mean", "int8", 4),
+    "downpour_sgd": ("DOWNPOUR", "sum", None, 4),
+    "dynsgd_default": ("DynSGD", "sum", None, 4),
+    "aeasgd_default": ("AEASGD", "sum", None, 4),
+    "eamsgd_powersgd": ("EAMSGD", "sum", "powersgd", 4),
+}
+
+
 def load(name, strategy=None):
     path = saved_optimizers.DIRECTORY / f"{name}.keras"
     with warnings.catch_warnings():
@@ -40,6 +50,18 @@ def test_saved_optimizer_variables_are_restored(name, under_strategy):
         got = keras.ops.convert_to_numpy(variable)
         assert got.shape == array.shape, (index, path)
         np.testing.assert_array_equal(got, array, err_msg=f"{index} {path}")
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_saved_windowed_settings_are_restored(name):
+    class_name, method, compression, local_steps = SETTINGS[name]
+    optimizer = load(name).optimizer
+    assert type(optimizer).__name__ == class_name
+    assert optimizer.aggregation_method.value == method
+    assert tf_agn.compression.name_of(optimizer.compression) == compression
+    assert optimizer.local_steps == local_steps
+    # The settings that had no meaning for a windowed optimizer are gone.
+    assert "accumulation_reduction" not in optimizer.get_config()
 
 
 def test_a_loaded_windowed_optimizer_trains_on():

@@ -14,6 +14,7 @@ from tf_agn.optimizers.downpour import DynSGD
 from tf_agn.optimizers.elastic import AEASGD
 from tf_agn.optimizers.elastic import EAMSGD
 from tf_agn.optimizers.windowed import WindowedOptimizer
+from tf_agn.optimizers.wrapping import WrappingOptimizer
 
 # Keras' LossScaleOptimizer, which `compile` puts around these under mixed
 # precision, then skips a step on every replica when any replica overflows.
