@@ -1,8 +1,6 @@
 """`AggregatingAllReduce`: tf_agn's transports as TensorFlow cross-device ops."""
 
-import copy
 import functools
-import threading
 
 import tensorflow as tf
 
@@ -123,33 +121,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             timeout_seconds=timeout_seconds,
             implementation=_parse_implementation(implementation),
         )
-        # One graph function per kind of eager call (`_traced`).
-        self._eager_functions = {}
-        # Eager calls launch every replica's collectives in one function;
-        # two threads' calls must not interleave, or two devices could
-        # pair different collectives.
-        self._lock = threading.Lock()
-
-    def __deepcopy__(self, memo):
-        """A copy with the same settings, for `copy.deepcopy` of a strategy,
-        which TensorFlow's own cross-device ops allow.
-
-        Args:
-            memo: `copy.deepcopy`'s memo.
-
-        Returns:
-            A new `AggregatingAllReduce` of this one's type and settings.
-        """
-        copied = object.__new__(type(self))
-        memo[id(self)] = copied
-        # The copy launches into the same collective groups, which are the
-        # process's (`tf_agn.transports.collective_group`): it shares the
-        # lock, so that its calls never interleave with this object's.
-        memo[id(self._lock)] = self._lock
-        # Eager functions close over this object; the copy traces its own.
-        state = dict(vars(self), _eager_functions={})
-        vars(copied).update(copy.deepcopy(state, memo))
-        return copied
 
     # TensorFlow's hooks: exact SUM and MEAN, never compressed.
 
@@ -168,10 +139,10 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         return self._reduce(reduce_op, values, destinations, options)
 
     def broadcast_implementation(self, tensor, destinations):
-        return placement.mirror(tensor, self._devices(destinations))
+        return placement.mirror(tensor, placement.destination_devices(destinations, self))
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        devices = self._devices(destinations, per_replica_value)
+        devices = placement.destination_devices(destinations, self, per_replica_value)
         if self.num_workers == 1:
             with tf.device(self.reduce_to_device or devices[0]):
                 gathered = tf.concat(per_replica_value.values, axis=axis)
@@ -179,8 +150,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         # Across workers every replica all-gathers; each worker's result
         # holds every replica of every worker, in global replica order.
         transport = self.transport_for(per_replica_value, destinations, options)
-        gather = self._traced(
-            transport, ("gather", _static_axis(axis)),
+        gather = transport.eager(
+            ("gather", _static_axis(axis)),
             functools.partial(_gather_along, transport, _static_axis(axis)),
         )
         return self._place(gather(list(per_replica_value.values)), transport.devices, devices)
@@ -192,7 +163,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         # strategy. Each replica launches its own part of every collective,
         # which only the collective transport can do.
         flat = tf.nest.flatten(value, expand_composites=False)
-        devices = self._replica_devices(flat, replica_id)
+        devices = placement.calling_replica_devices(flat, self, replica_id)
         options, name = self._options(options, devices)
         if name != "collective":
             raise NotImplementedError('Replica-context all-reduce needs transport="collective".')
@@ -217,7 +188,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             A `tf_agn.transports.LocalTransport` or `CollectiveTransport`
             over the devices of `value`'s replicas.
         """
-        devices = self._source_devices(value, destinations)
+        devices = placement.replica_devices(value, self, destinations)
         options, name = self._options(options, devices)
         if name == "collective":
             return transports.CollectiveTransport(self._group(devices), options, self.jit_compile)
@@ -229,39 +200,11 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     def combine_function(self, transport, method, value_scale=1, compressor=None):
         """`tf_agn.combining.combine_replicas` on `transport` with these
         settings, as a function of `(values, states=None, step=None)`
-        (pass the last two by keyword).
-
-        Traced (inside `fit`'s step), it is `combine_replicas` itself.
-        Eagerly on the collective transport, replica 0's collective would
-        block before replica 1's is launched: it is then a graph function
-        that launches them all at once, made once per settings.
-        """
+        (pass the last two by keyword), as `transport.eager` can run it."""
         combine = functools.partial(
             combine_replicas, transport, method, value_scale=value_scale, compressor=compressor
         )
-        return self._traced(transport, ("combine", method, value_scale, compressor), combine)
-
-    def _traced(self, transport, key, function):
-        """`function`, or eagerly on the collective transport, a graph
-        function of it made once per `key` whose outputs are pinned to
-        their replicas' devices."""
-        if not tf.executing_eagerly() or isinstance(transport, transports.LocalTransport):
-            return function
-        key = (key, transport.devices, _options_key(transport.options))
-        with self._lock:
-            traced = self._eager_functions.get(key)
-            if traced is None:
-                traced = self._eager_functions[key] = tf.function(function, autograph=False)
-
-        def run(*args, **kwargs):
-            with self._lock:
-                outputs = traced(*args, **kwargs)
-            # A function's eager outputs report the caller's device.
-            if isinstance(outputs, tuple):  # (per replica, per replica or None)
-                return tuple(None if part is None else _pin(part, transport.devices) for part in outputs)
-            return _pin(outputs, transport.devices)
-
-        return run
+        return transport.eager(("combine", method, value_scale, compressor), combine)
 
     def _reduce(self, reduce_op, values, destinations, options):
         values = [_compat.make_tensor_into_per_replica(v) for v in values]
@@ -270,7 +213,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         per_replica = [[v.values[r] for v in values] for r in range(len(transport.devices))]
         combined, _ = combine(per_replica)
         return [
-            self._place(replicas, transport.devices, self._devices(destination, value))
+            self._place(replicas, transport.devices, placement.destination_devices(destination, self, value))
             for value, destination, replicas in zip(values, destinations, zip(*combined))
         ]
 
@@ -312,68 +255,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             transport = "local"
         return merged, transport
 
-    def _devices(self, destinations, value=None):
-        """Where results go: the devices `destinations` name, or else the
-        devices of `value`'s replicas."""
-        if destinations is not None and _compat.check_destinations(destinations):
-            devices = _compat.devices_of(destinations, self)
-            if all(devices):
-                return devices
-        return self._source_devices(value, destinations)
-
-    def _source_devices(self, value, destinations=None):
-        """The devices of `value`'s replicas.
-
-        A value made outside the replicas' device scopes (a function input,
-        an eager dataset element) has no device: it stands for its replica,
-        on the device of the same index among the destinations, or else
-        among the devices of the strategy in scope.
-        """
-        devices = _compat.devices_of(value, self)
-        # Replicas on one device (values made eagerly outside the replicas'
-        # scopes, all on the default device) do not say where they belong.
-        if all(devices) and len(set(devices)) == len(devices):
-            return devices
-        candidates = []
-        if destinations is not None and _compat.check_destinations(destinations):
-            candidates.append(_compat.devices_of(destinations, self))
-        if tf.distribute.has_strategy():
-            candidates.append(tf.distribute.get_strategy().extended.worker_devices)
-        for known in candidates:
-            if len(known) == len(devices) and all(known) and len(set(known)) == len(known):
-                return tuple(known)
-        if all(devices):
-            return devices  # Where they are, though it says nothing of replicas.
-        raise ValueError(
-            f"{len(devices)} values without a device, and neither the "
-            "destinations nor a strategy in scope name as many devices: "
-            "cannot tell where they are."
-        )
-
-    def _replica_devices(self, tensors, replica_id):
-        """This process's replica devices, for `_all_reduce` of replica
-        `replica_id`'s `tensors`: the strategy's in scope; outside any
-        strategy, the one device of `tensors` (TensorFlow's default replica
-        context has one replica).
-
-        Raises:
-            ValueError: outside a strategy, for a `replica_id` other than 0
-                or tensors on several devices.
-        """
-        if tf.distribute.has_strategy():
-            return tf.distribute.get_strategy().extended.worker_devices
-        # A tensor without a device resolves to the device scope it is
-        # reduced in, as TensorFlow's own ops read destinations.
-        devices = {device for t in tensors for device in _compat.devices_of(t, self)}
-        if replica_id != 0 or len(devices) != 1:
-            raise ValueError(
-                "Outside a strategy, _all_reduce serves one local replica, "
-                "replica_id 0, with its values on one device; received "
-                f"replica_id {replica_id!r} and values on {sorted(devices)}. "
-                "Call it in a strategy's replica context for several."
-            )
-        return (devices.pop(),)
-
 
 def _gather_along(transport, axis, per_replica):
     """Every replica's tensor of `per_replica`, all-gathered along `axis`,
@@ -390,15 +271,6 @@ def _gather_along(transport, axis, per_replica):
         with tf.device(device):
             gathered.append(tf.transpose(rows, [perm.index(d) for d in range(rank)]) if axis else rows)
     return gathered
-
-
-def _pin(outputs, devices):
-    """Each local replica's outputs (`outputs[r]`, any structure) on its
-    device."""
-    return [
-        tf.nest.map_structure(lambda t, d=device: placement.on(d, t), replica_outputs)
-        for device, replica_outputs in zip(devices, outputs)
-    ]
 
 
 def _check_arguments(
@@ -427,11 +299,6 @@ def _check_arguments(
             f'transport="local" cannot reduce across {num_workers} '
             'workers; use "collective" or "auto".'
         )
-
-
-def _options_key(options):
-    """The fields of `CommunicationOptions` a launch depends on."""
-    return (options.bytes_per_pack, options.timeout_seconds, options.implementation)
 
 
 def _static_axis(axis):

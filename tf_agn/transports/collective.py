@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tf_agn import devices as devices_lib
 from tf_agn import packing
+from tf_agn import placement
 
 _CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
@@ -41,6 +42,36 @@ class CollectiveTransport:
     def rank(self, replica):
         """Local replica `replica`'s index among all replicas."""
         return self.group.first_replica + self.replicas[replica]
+
+    def eager(self, key, function):
+        """`function`, which launches collectives for every local replica,
+        as it can run now.
+
+        Traced (inside `fit`'s step), it is `function` itself. Eagerly,
+        replica 0's collective would block before replica 1's is launched:
+        it is then a graph function that launches them all at once, made
+        once per `key` (what `function` closes over) and per transport,
+        whose outputs (one per local replica, or a tuple of such lists)
+        are pinned to the replicas' devices.
+        """
+        if not tf.executing_eagerly():
+            return function
+        key = (key, self.replicas, self.jit_compile, _options_key(self.options))
+        group = self.group
+        with group.eager_lock:
+            traced = group.eager_functions.get(key)
+            if traced is None:
+                traced = group.eager_functions[key] = tf.function(function, autograph=False)
+
+        def run(*args, **kwargs):
+            with group.eager_lock:
+                outputs = traced(*args, **kwargs)
+            # A function's eager outputs report the caller's device.
+            if isinstance(outputs, tuple):
+                return tuple(None if part is None else self._pin(part) for part in outputs)
+            return self._pin(outputs)
+
+        return run
 
     def all_reduce(self, packs, weights=None, cast=None):
         """Every replica's pack, weighted and summed, tensor by tensor.
@@ -196,12 +227,24 @@ class CollectiveTransport:
             for (rows, indices), value in zip(self.all_gather_rows(parts), slices)
         ]
 
+    def _pin(self, per_replica):
+        """Each local replica's outputs (any structure) on its device."""
+        return [
+            tf.nest.map_structure(lambda t, d=device: placement.on(d, t), outputs)
+            for device, outputs in zip(self.devices, per_replica)
+        ]
+
     def _has_native_reduce_scatter(self):
         # `CollectiveReduceScatterV2` exists for NCCL only: on CPUs it fails
         # with "did not find collective implementation".
         return self.options.implementation == _CommunicationImplementation.NCCL and all(
             devices_lib.device_type(d) == "GPU" for d in self.devices
         )
+
+
+def _options_key(options):
+    """The fields of `CommunicationOptions` a launch depends on."""
+    return (options.bytes_per_pack, options.timeout_seconds, options.implementation)
 
 
 def _num_elements(tensors):

@@ -108,6 +108,11 @@ class CollectiveGroup:
         self._instance_counters = [None] * len(self.devices)
         self._ordering_tokens = [None] * len(self.devices)
         self._lock = threading.Lock()
+        # Eager calls (`CollectiveTransport.eager`): their graph functions,
+        # and a lock so that two threads' calls never interleave, which
+        # could pair different collectives on two devices.
+        self.eager_functions = {}
+        self.eager_lock = threading.Lock()
 
     def launch(self, op, replica, tensor, options, **attributes):
         """Local replica `replica`'s part of the collective `op` on `tensor`.
