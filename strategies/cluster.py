@@ -19,8 +19,7 @@ class LocalCluster:
     One `tf.distribute.Server` per worker and ps task, on free ports of
     localhost; this process is the coordinator ("chief"). Server processes
     never outlive this process: `stop()` runs on leaving the `with` block
-    (exceptions and Ctrl-C included), at interpreter exit and on SIGTERM,
-    and each server exits by itself once its parent is gone.
+    (exceptions and Ctrl-C included), at interpreter exit and on SIGTERM.
 
     Example:
 
@@ -74,6 +73,7 @@ class LocalCluster:
 
     @property
     def mode(self):
+        """"threads" or "processes", as given."""
         return self._mode
 
     @property
@@ -152,9 +152,10 @@ class LocalCluster:
     def stop(self):
         """Kills and reaps every server process. Safe to call repeatedly.
 
-        In "threads" mode the servers keep running (TensorFlow cannot stop
-        them) and their ports stay taken until the interpreter exits.
+        In "threads" mode the servers keep running, and their ports stay
+        taken, until the interpreter exits.
         """
+        # TensorFlow cannot stop in-process servers (see LocalServers).
         self._state = "stopped"
         self._servers.stop()
 
@@ -189,6 +190,7 @@ class LocalCluster:
                 yield job, index, address, self.tf_config(job, index)
 
     def _kill(self, job, index):
+        """Kills the server of task `index` of `job`, or raises."""
         if self._mode != "processes":
             raise RuntimeError(
                 f"Killing a {job} needs mode='processes': TensorFlow cannot stop "

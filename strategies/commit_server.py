@@ -12,27 +12,16 @@ APPLIED, REJECTED_NON_FINITE, DUPLICATE = 0, 1, 2
 class CommitServer:
     """Holds the center θ_c and applies workers' commits to it, one at a time.
 
-    The center is the model's own trainable variables, which live on the
-    parameter servers under `ParameterServerStrategy`. A commit is applied
-    inside a `tf.CriticalSection`, so reading the commit counter, applying
-    the algorithm's rule and counting the commit are one atomic step
-    (DynSGD's staleness needs exactly that):
-
-    1. staleness s = commits applied now − commits applied at the pull;
-    2. a commit holding NaN or Inf is rejected and counted, so it never
-       reaches the center;
-    3. a commit for a window that was already applied is dropped: the
-       coordinator re-runs a window whose worker died, and the first run may
-       have committed before dying. Every scheduled window is applied
-       exactly once;
-    4. otherwise θ_c ← the algorithm's `apply_to_center` with
-       Δ · `commit_scale(s)` (AGN: θ_c + Δ).
-
-    With the optimizer's `compression`, a worker sends its Δ compressed
-    (`tf_agn.strategies.worker.Worker.commit`) and the server decompresses
-    it here, on each center's device, so that the compressed payload is
-    what crosses the network. `bytes_per_commit` is what one commit sends
-    and `bytes_received` counts them.
+    The center is the model's trainable variables (on the parameter servers
+    under `ParameterServerStrategy`). `apply` takes one commit atomically:
+    with s = commits applied now − commits applied at the worker's pull, it
+    rejects (and counts) a commit holding NaN or Inf, drops (and counts) one
+    whose window was already applied, and otherwise applies
+    Δ · `commit_scale(s)` with the optimizer's `apply_to_center`
+    (AGN: θ_c + Δ). Every scheduled window is applied exactly once. With the
+    optimizer's `compression`, commits arrive compressed
+    (`tf_agn.strategies.worker.Worker.commit`); `bytes_per_commit` is what
+    one sends, and `bytes_received` counts them.
 
     Args:
         optimizer: the `tf_agn.optimizers.WindowedOptimizer` whose rules
@@ -40,8 +29,8 @@ class CommitServer:
         centers: the center variables (the model's trainable variables).
         num_windows: how many windows training schedules in all; window ids
             run from 0 to `num_windows - 1`.
-        reject_non_finite: whether step 2 applies. Turn it off only to study
-            what a poisoned commit does.
+        reject_non_finite: whether commits holding NaN or Inf are rejected.
+            Turn it off only to study what a poisoned commit does.
     """
 
     def __init__(self, optimizer, centers, num_windows, reject_non_finite=True):
@@ -68,6 +57,8 @@ class CommitServer:
             self.bytes_received = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="commit_bytes_received"
             )
+        # Reading the counter, applying the rule and counting the commit are
+        # one atomic step under it: DynSGD's staleness needs exactly that.
         self._lock = tf.CriticalSection(name="commit_lock")
         optimizer.outer_optimizer.build(self.centers)
         self.compressor = optimizer.resolved_compression
@@ -82,7 +73,7 @@ class CommitServer:
         )
 
     def apply(self, payloads, commits_at_pull, window_id):
-        """Applies one commit atomically; see the class docstring.
+        """Applies one commit atomically, as the class docstring says.
 
         Args:
             payloads: the commit Δ as `Worker.commit` sends it: for each
@@ -97,6 +88,8 @@ class CommitServer:
         """
 
         self.bytes_received.assign_add(self.bytes_per_commit)
+        # Decompressed here, on each center's device, so that the compressed
+        # payload is what crosses the network.
         deltas = [
             decode(self.compressor, payload, center)
             for payload, center in zip(payloads, self.centers)
@@ -107,6 +100,8 @@ class CommitServer:
             finite = all_finite(deltas)
             if not self.reject_non_finite:
                 finite = tf.constant(True)
+            # The coordinator re-runs a window whose worker died, and the
+            # first run may have committed before dying.
             fresh = tf.equal(self.applied_windows[window_id], 0)
 
             def accept():

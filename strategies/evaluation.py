@@ -1,10 +1,5 @@
-"""`evaluate`: the compiled loss and metrics of the center.
-
-Under parameter-server training the model's own weights are the center,
-which the workers pull from and commit to; `evaluate` measures them
-directly, batch by batch, in the coordinator. This module also builds the
-compiled loss and metrics before any worker traces them.
-"""
+"""`evaluate`: the compiled loss and metrics of the center (the model's own,
+parameter-server weights), computed in the coordinator."""
 
 import tensorflow as tf
 
@@ -14,12 +9,23 @@ from tf_agn import _compat
 def evaluate(model, data):
     """Evaluates the center: the model's own (parameter-server) weights.
 
+    The workers pull from and commit to the center; this measures it
+    directly, batch by batch, in this process.
+
     Args:
         model: the compiled Keras model.
-        data: a `tf.data.Dataset` of `(x, y)` batches, or an `(x, y)` tuple.
+        data: a `tf.data.Dataset` of `(x, y)` batches, or an `(x, y)` tuple
+            (evaluated in batches of 256).
 
     Returns:
         `{"loss": float, <compiled metric>: float, ...}`.
+
+    Example:
+
+    ```python
+    history = tf_agn.strategies.fit(model, dataset_fn, steps_per_epoch=40)
+    print(tf_agn.strategies.evaluate(model, (x_test, y_test))["loss"])
+    ```
     """
     if isinstance(data, tuple):
         data = tf.data.Dataset.from_tensor_slices(data).batch(256)
@@ -41,11 +47,9 @@ def evaluate(model, data):
 
 def build_compiled_metrics(model, dataset):
     """Builds the compiled loss and metrics eagerly, from one batch of
-    `dataset`.
-
-    Workers use the loss inside traced functions, where variables cannot be
-    created.
-    """
+    `dataset`."""
+    # Workers use the loss inside traced functions, where variables cannot
+    # be created.
     x, y = next(iter(dataset))[:2]
     with model.distribute_strategy.scope():
         y_pred = model(x, training=False)
@@ -57,6 +61,7 @@ def build_compiled_metrics(model, dataset):
 
 
 def _metric_results(model):
+    """`{name: float}` of the compiled metrics' results."""
     metrics = _compat.compiled_metrics(model)
     if metrics is None:
         return {}

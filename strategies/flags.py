@@ -1,28 +1,5 @@
-"""The command-line flags that tf_agn's examples share, and the strategy
-they describe.
-
-Example:
-
-```python
-from absl import app
-import tf_agn
-
-tf_agn.strategies.define_flags()
-
-
-def main(argv):
-    strategy = tf_agn.strategies.strategy_from_flags()
-    with strategy.scope():
-        ...
-
-
-if __name__ == "__main__":
-    app.run(main)
-```
-
-`python my_example.py --aggregation=sum --cpu_replicas=4` then trains on
-4 logical CPU devices whose gradients are summed.
-"""
+"""`define_flags` and `strategy_from_flags`: the command-line flags that
+tf_agn's examples share, and the strategy they describe."""
 
 from absl import flags
 import tensorflow as tf
@@ -46,12 +23,33 @@ def define_flags(flag_values=flags.FLAGS):
     """Defines `--aggregation`, `--compression`, `--powersgd_rank`,
     `--num_replicas` and `--cpu_replicas`.
 
-    Safe to call more than once, for example from an example and from a
-    module it imports: a flag that is already defined stays as it is. Each
-    calling module lists the flags in its `--help`.
+    Safe to call more than once (from an example and a module it imports):
+    a flag already defined stays as it is. Each calling module lists the
+    flags in its `--help`.
 
     Args:
         flag_values: the `absl.flags.FlagValues` to define them in.
+
+    Example, run as `python my_example.py --aggregation=sum
+    --cpu_replicas=4` to train on 4 logical CPU devices whose gradients are
+    summed:
+
+    ```python
+    from absl import app
+    import tf_agn
+
+    tf_agn.strategies.define_flags()
+
+
+    def main(argv):
+        strategy = tf_agn.strategies.strategy_from_flags()
+        with strategy.scope():
+            ...
+
+
+    if __name__ == "__main__":
+        app.run(main)
+    ```
     """
     _define(
         flags.DEFINE_enum,
@@ -98,6 +96,7 @@ def define_flags(flag_values=flags.FLAGS):
 
 
 def _define(define, name, *args, flag_values, **kwargs):
+    """Defines flag `name` unless it exists, and makes it a key flag."""
     # absl refuses to define a flag twice, which would break any two
     # modules that both call `define_flags`.
     if name not in flag_values:
@@ -111,17 +110,16 @@ def strategy_from_flags(flag_values=flags.FLAGS):
     In a worker of a multi-worker cluster (a `TF_CONFIG` whose task is a
     "worker" or "chief" of a cluster without "ps", as
     `python -m tf_agn.strategies.launch --multi_worker N` sets it), that is
-    `tf_agn.strategies.multi_worker_mirrored(aggregation=--aggregation)`,
-    on every GPU of the worker or its one CPU. Otherwise:
+    `multi_worker_mirrored`, on every GPU of the worker or its one CPU.
+    Otherwise it is `mirrored`, on every GPU or, without one, on the CPU
+    split into `--cpu_replicas` logical devices (one device if 0);
+    `--num_replicas` > 0 keeps the first that many. Either way gradients
+    are combined by `--aggregation` and travel as `--compression` says (the
+    defaults of every tf_agn optimizer under the strategy).
 
-    It replicates on every GPU or, without one, on the CPU split into
-    `--cpu_replicas` logical devices (one device if 0); `--num_replicas` > 0
-    keeps the first that many. Gradients are combined by `--aggregation`
-    and travel as `--compression` says (the defaults of every tf_agn
-    optimizer under the strategy; see `tf_agn.strategies.mirrored`).
-
-    Call it before anything else runs TensorFlow (building a model, creating
-    a tensor): the CPU can only be split before TensorFlow starts.
+    Call it before anything else runs TensorFlow (building a model,
+    creating a tensor), so that the CPU can still be split. See
+    `define_flags` for an example.
 
     Args:
         flag_values: the parsed `absl.flags.FlagValues` holding the flags.
@@ -173,7 +171,7 @@ def compression_from_flags(flag_values=flags.FLAGS):
 
 def _is_multi_worker_task(config):
     """Whether `TF_CONFIG` (parsed, or None) makes this process a worker of
-    a multi-worker cluster (not a parameter-server one)."""
+    a multi-worker cluster, not a parameter-server one."""
     if config is None:
         return False
     cluster = config.get("cluster", {})

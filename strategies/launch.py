@@ -1,57 +1,13 @@
-"""Runs a command on a local cluster: as the coordinator of a
-parameter-server cluster, or as every worker of a multi-worker one.
+"""`python -m tf_agn.strategies.launch`: runs a command on a local cluster.
 
-    python -m tf_agn.strategies.launch --workers 4 --ps 1 -- \\
-        python examples/some_script.py --flag ...
-
-starts 4 worker and 1 ps servers as subprocesses (a `LocalCluster` in
-"processes" mode), runs the command with the `TF_CONFIG` of the
-coordinator ("chief") in its environment, so that
-`tf_agn.strategies.parameter_server()` connects to them, and exits with
-the command's exit code. The servers are torn down whatever happens,
-Ctrl-C included.
-
-On several machines, run the training script on one machine (the chief)
-and `python -m tf_agn.strategies.server` on each of the others, every one
-with its own `TF_CONFIG`. They share the "cluster" part and differ in
-"task". For one chief, two workers and one ps:
-
-    chief (host0), runs the training script:
-    {"cluster": {"chief": ["host0:2222"],
-                 "worker": ["host1:2222", "host2:2222"],
-                 "ps": ["host3:2222"]},
-     "task": {"type": "chief", "index": 0}}
-
-    worker 0 (host1), runs python -m tf_agn.strategies.server:
-    {"cluster": <the same>, "task": {"type": "worker", "index": 0}}
-
-    worker 1 (host2), runs python -m tf_agn.strategies.server:
-    {"cluster": <the same>, "task": {"type": "worker", "index": 1}}
-
-    ps 0 (host3), runs python -m tf_agn.strategies.server:
-    {"cluster": <the same>, "task": {"type": "ps", "index": 0}}
-
-Every address must be reachable from every machine (the chief's too: the
-workers connect back to it). Start the servers first; `parameter_server()`
-waits up to its `connect_timeout` for them and then names the missing ones.
-
-Multi-worker (synchronous, `tf_agn.strategies.multi_worker_mirrored`):
-
-    python -m tf_agn.strategies.launch --multi_worker 2 -- \\
+    python -m tf_agn.strategies.launch --workers 4 --ps 1 -- python train.py
+    python -m tf_agn.strategies.launch --multi_worker 2 --max_restarts 1 -- \\
         python examples/mnist_mirrored.py
 
-runs the command N times, each process a worker of one cluster on
-localhost ports, with its own `TF_CONFIG`
-(`{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`).
-Worker 0's output passes through; every other line is prefixed with
-"[worker i]". If one worker fails, the others are stopped (they would wait
-for it for ever), and the launcher exits with the first failure's code.
-
-With `--max_restarts K`, a failed group is started again instead, on fresh
-ports, up to K times; the launcher prints which worker failed and how each
-time. Training resumes where it left off only if the command restores
-itself, e.g. with `tf_agn.callbacks.BackupAndRestore`. Ctrl-C and SIGTERM
-stop everything and never restart.
+The first runs the command as the coordinator ("chief") of a
+parameter-server cluster of local server processes; the second runs it as
+every worker of a localhost multi-worker cluster. On several machines, run
+`python -m tf_agn.strategies.server` on each worker and ps instead.
 """
 
 import argparse
@@ -149,6 +105,7 @@ def run(command, env):
 
 
 def _interrupt(signum, frame):
+    """A signal handler that raises `KeyboardInterrupt`, as Ctrl-C does."""
     raise KeyboardInterrupt
 
 
@@ -190,7 +147,8 @@ class WorkerFailure(typing.NamedTuple):
 def run_worker_group(command, num_workers):
     """Runs `command` once as every worker of a fresh local multi-worker
     cluster (new free ports, new `TF_CONFIG`s), until all succeed or one
-    fails; then no worker is left running.
+    fails; then no worker is left running. Worker 0's output passes
+    through; every other line is prefixed with "[worker i]".
 
     Returns:
         None if every worker exits with 0, else the `WorkerFailure` of the
@@ -223,6 +181,8 @@ def run_worker_group(command, num_workers):
         while True:
             codes = [p.poll() for p in processes]
             for index, code in enumerate(codes):
+                # The `finally` stops the others: they would wait for the
+                # failed worker for ever.
                 if code not in (None, 0):
                     return WorkerFailure(index, code)
             if all(c == 0 for c in codes):
@@ -249,12 +209,11 @@ def run_workers(command, num_workers, max_restarts=0):
     """Runs `command` as every worker of a local multi-worker cluster,
     restarting the whole group when a worker fails.
 
-    A multi-worker cluster cannot go on without one of its workers (the
-    others' collectives fail), so a failure stops every worker; then, up to
-    `max_restarts` times, a new group starts on fresh ports. The command is
-    expected to resume from its own backups (`tf_agn.callbacks.
-    BackupAndRestore`). Each failure is printed: which worker, how it ended,
-    and whether a restart follows.
+    A failure stops every worker; then, up to `max_restarts` times, a new
+    group starts on fresh ports. Training resumes only if the command
+    restores itself (`tf_agn.callbacks.BackupAndRestore`). Each failure is
+    printed: which worker, how it ended, and whether a restart follows.
+    Ctrl-C and SIGTERM stop everything and never restart.
 
     Args:
         command: the command line every worker runs.
@@ -265,6 +224,8 @@ def run_workers(command, num_workers, max_restarts=0):
         0 if a group succeeds, else the last failure's exit code (128 + N
         for a worker killed by signal N, 128 + SIGINT when interrupted).
     """
+    # A multi-worker cluster cannot go on without one of its workers (the
+    # others' collectives fail): a failure restarts the whole group.
     for attempt in range(max_restarts + 1):
         try:
             failure = run_worker_group(command, num_workers)
@@ -284,6 +245,14 @@ def run_workers(command, num_workers, max_restarts=0):
 
 
 def main(argv=None):
+    """Runs the launcher on `argv` (default: the command line's); returns
+    the exit code: the command's, or the multi-worker group's.
+
+    Without `--multi_worker`, it starts a `LocalCluster` in "processes"
+    mode and runs the command with the chief's `TF_CONFIG`, so that
+    `tf_agn.strategies.parameter_server()` connects to the cluster; the
+    servers are torn down however the command ends, Ctrl-C included.
+    """
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
     # SIGTERM takes the Ctrl-C path: the command is stopped and the
     # cluster torn down.

@@ -186,6 +186,7 @@ class LocalServers:
 
 
 def _server_env(tf_config):
+    """The environment of a server process for `tf_config`'s task."""
     env = dict(os.environ, TF_CONFIG=json.dumps(tf_config))
     for name in list(env):
         # gRPC would send even localhost traffic through a proxy.
@@ -203,26 +204,26 @@ def _read(log):
 
 
 def _kill(process):
+    """Kills `process` (SIGKILL) unless it has exited, and reaps it."""
     if process.poll() is None:
         process.kill()
     process.wait()
 
 
 def _stop_all():
+    """Stops the servers of every `LocalServers` still running."""
     for local_servers in list(_running):
         local_servers.stop()
 
 
 def _stop_on_sigterm():
     """On SIGTERM, stops every server process, then terminates as SIGTERM
-    would.
-
-    Only if SIGTERM still has its default action, which skips `atexit`;
-    a handler the program installed itself is left alone. Signal handlers
-    can only be set from the main thread.
-    """
+    would; only if SIGTERM still has its default action."""
+    # Signal handlers can only be set from the main thread.
     if threading.current_thread() is not threading.main_thread():
         return
+    # The default action skips `atexit`; a handler the program installed
+    # itself is left alone.
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 

@@ -1,4 +1,5 @@
-"""Building a `MirroredStrategy` that aggregates with tf_agn's ops."""
+"""`mirrored`: a `MirroredStrategy` that aggregates with tf_agn's ops, and
+helpers for replicas on one machine (`split_cpu`, `even_batch_size`)."""
 
 import numbers
 
@@ -11,8 +12,8 @@ from tf_agn.cross_device_ops import AggregatingAllReduce
 def split_cpu(num_devices):
     """Splits the host CPU into `num_devices` logical devices.
 
-    This lets `MirroredStrategy` run real replicas on a machine without
-    accelerators. It must run before TensorFlow initializes its devices.
+    Gives `MirroredStrategy` real replicas on a machine without
+    accelerators. Call it before TensorFlow initializes its devices.
 
     Args:
         num_devices: how many logical CPU devices to create (at least 1).
@@ -24,6 +25,13 @@ def split_cpu(num_devices):
         ValueError: if `num_devices` < 1.
         RuntimeError: if TensorFlow's devices are already initialized with
             a different number of logical CPUs.
+
+    Example:
+
+    ```python
+    tf_agn.strategies.split_cpu(4)  # first thing in the program
+    strategy = tf_agn.strategies.mirrored()  # 4 replicas
+    ```
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be an int >= 1; received {num_devices!r}.")
@@ -61,6 +69,14 @@ def mirrored(devices=None, aggregation="mean", **ops_kwargs):
         ValueError: for an unknown aggregation or a bad ops argument, or a
             device in `devices` or `reduce_to_device` that this process
             does not have.
+
+    Example:
+
+    ```python
+    strategy = tf_agn.strategies.mirrored(aggregation="sum", compression="fp16")
+    with strategy.scope():
+        model = tf_agn.models.mlp((784,), 10)  # then compile it, as usual
+    ```
     """
     ops = AggregatingAllReduce(aggregation=aggregation, **ops_kwargs)
     # TensorFlow places a missing device's work on the CPU without a word.
@@ -75,10 +91,6 @@ def even_batch_size(batch_size, num_samples, num_replicas):
     """The largest batch size up to `batch_size` whose first batch of
     `num_samples` splits evenly across `num_replicas`.
 
-    Keras 3 averages the replicas' shares of the first batch to build the
-    model (`_maybe_symbolic_build` of its TensorFlow trainer), which fails if
-    the shares differ in size. Later batches may split unevenly.
-
     Args:
         batch_size: the global batch size wanted.
         num_samples: how many samples the data set holds.
@@ -90,6 +102,14 @@ def even_batch_size(batch_size, num_samples, num_replicas):
     Raises:
         ValueError: if an argument is not an int >= 1, or there are fewer
             samples than replicas.
+
+    Example:
+
+    ```python
+    batch_size = tf_agn.strategies.even_batch_size(
+        256, len(x_test), strategy.num_replicas_in_sync)
+    model.evaluate(x_test, y_test, batch_size=batch_size)
+    ```
     """
     for name, value in (
         ("batch_size", batch_size),
@@ -99,6 +119,10 @@ def even_batch_size(batch_size, num_samples, num_replicas):
         # Integral: sizes are often numpy integers.
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; received {value!r}.")
+    # Only the first batch must split evenly: Keras 3 builds the model from
+    # the mean of the replicas' shares of it (`_maybe_symbolic_build` of its
+    # TensorFlow trainer), which fails if they differ in size. Later batches
+    # may split unevenly.
     first_batch = min(batch_size, num_samples)
     if first_batch < num_replicas:
         raise ValueError(

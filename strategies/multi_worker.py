@@ -1,14 +1,7 @@
-"""Building a `MultiWorkerMirroredStrategy` that reduces with tf_agn's ops,
-and in which Keras 3's `model.fit` works.
-
-Every worker process runs the same program. Each builds this strategy
-first, before any other TensorFlow op, with its own `TF_CONFIG`:
-
-    {"cluster": {"worker": ["host0:2222", "host1:2222"]},
-     "task": {"type": "worker", "index": 0}}   # 1 on host1
-
-`python -m tf_agn.strategies.launch --multi_worker=N -- COMMAND` starts N
-such processes on this machine, each with its `TF_CONFIG`.
+"""`multi_worker_mirrored` and `KerasMultiWorkerMirroredStrategy`:
+synchronous training across worker processes, in which Keras 3's
+`model.fit` works. `python -m tf_agn.strategies.launch --multi_worker N --
+COMMAND` runs N such workers on this machine.
 """
 
 import signal
@@ -25,8 +18,7 @@ from tf_agn.strategies import tf_config
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy`, with TensorFlow's own
-    collectives, under which Keras 3's `fit` and `evaluate` run
-    (keras-team/keras#20585, tensorflow#72388).
+    collectives, under which Keras 3's `fit` and `evaluate` run.
 
     Use it to train with stock Keras, or to compare tf_agn's aggregation
     with TensorFlow's own communication; `multi_worker_mirrored()` builds
@@ -48,15 +40,16 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
     ```
     """
 
-    # Stock, `fit` fails twice under this strategy: `_maybe_symbolic_build`
-    # reduces the first (x, y) batch with one `strategy.reduce("MEAN",
-    # batch, axis=None)`, which `MirroredStrategy` maps over the nest and
-    # this strategy does not ("Attempt to convert a value (PerReplica...)
-    # with an unsupported type to a Tensor"); and every per-replica log
-    # (the scalar loss) is reduced with `axis=0`, which fails on a scalar
-    # ("Invalid reduction dimension 0"). So `reduce` takes nests leaf by
-    # leaf and reduces a scalar across replicas only, as Keras does under
-    # `MirroredStrategy`. Gradients do not pass through `reduce`.
+    # Stock, `fit` fails twice under this strategy (keras-team/keras#20585,
+    # tensorflow#72388): `_maybe_symbolic_build` reduces the first (x, y)
+    # batch with one `strategy.reduce("MEAN", batch, axis=None)`, which
+    # `MirroredStrategy` maps over the nest and this strategy does not
+    # ("Attempt to convert a value (PerReplica...) with an unsupported type
+    # to a Tensor"); and every per-replica log (the scalar loss) is reduced
+    # with `axis=0`, which fails on a scalar ("Invalid reduction dimension
+    # 0"). So `reduce` takes nests leaf by leaf and reduces a scalar across
+    # replicas only, as Keras does under `MirroredStrategy`. Gradients do
+    # not pass through `reduce`.
     def reduce(self, reduce_op, value, axis=None):
         return tf.nest.map_structure(
             lambda leaf: self._reduce_leaf(reduce_op, leaf, axis), value
@@ -88,35 +81,11 @@ def multi_worker_mirrored(
     """Returns a `MultiWorkerMirroredStrategy` that reduces with
     `AggregatingAllReduce` over TensorFlow's collectives.
 
-    Every method (SUM, MEAN, ONLY_FIRST_REPLICA, NONE), packing and
-    compression work across workers; each pack is one collective
-    all-reduce over all replicas of all workers (NCCL between GPUs, a ring
-    between CPUs and machines). Keras 3's `fit` works under it (see
-    `KerasMultiWorkerMirroredStrategy`).
-
-    Call it first thing in every worker's program: TensorFlow connects the
-    workers when the strategy is created, and no other TensorFlow op may
-    run before. Creating it:
-
-    1. waits for every other worker to answer on its cluster port, up to
-       `connect_timeout_seconds`, interruptible by Ctrl-C and SIGTERM
-       (`tf_agn.strategies.rendezvous`);
-    2. connects the workers (TensorFlow's constructor);
-    3. checks that every worker built its ops alike (aggregation,
-       `bytes_per_pack`, compression, transport, implementation, local
-       replicas and tf_agn version, `tf_agn.agreement`): otherwise every
-       worker raises, naming the field and each worker's value.
-
-    Collective group and instance keys are derived from the group of
-    devices, not from how many tf_agn objects a process made, so workers
-    that build different numbers of ops or strategies still agree. A lost
-    peer fails the survivors' step through TensorFlow's health check;
-    `timeout_seconds` (default None, see
-    `tf_agn.transports.DEFAULT_TIMEOUT_SECONDS` for its cost) also turns
-    collectives called in another order into an error. TensorFlow catches
-    SIGTERM while it connects (for
-    its own preemption notices); the handler Python had before is put back
-    afterwards, so that a supervisor's SIGTERM stops the worker.
+    Every worker runs the same program with its own `TF_CONFIG` and calls
+    this first, before any other TensorFlow op. Every aggregation method,
+    packing, compression and Keras 3's `fit` work across workers. Creating
+    the strategy waits for the other workers (Ctrl-C and SIGTERM interrupt
+    it), connects them, and checks that all built their ops alike.
 
     Args:
         aggregation: the default `AggregationMethod` for tf_agn optimizers
@@ -141,10 +110,23 @@ def multi_worker_mirrored(
         ValueError: for an unknown aggregation or a bad ops argument, a
             `TF_CONFIG` that is not valid JSON, a task that is not one of
             the cluster's workers (or its chief), or if the workers'
-            settings disagree. All but the last are raised before anything
-            connects.
+            settings disagree (naming the field and each worker's value).
+            All but the last are raised before anything connects.
         TimeoutError: naming the workers that did not answer within
             `connect_timeout_seconds`.
+        RuntimeError: if the workers have different numbers of devices.
+
+    Example, run on host0 with `TF_CONFIG` `{"cluster": {"worker":
+    ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}`
+    and on host1 with index 1:
+
+    ```python
+    strategy = tf_agn.strategies.multi_worker_mirrored(aggregation="mean")
+    with strategy.scope():
+        model = tf_agn.models.mlp((784,), 10)
+        model.compile(optimizer=tf_agn.optimizers.Adam(1e-3), loss="mse")
+    model.fit(x, y, batch_size=256, epochs=2)
+    ```
     """
     if ops_kwargs.get("transport", "collective") != "collective":
         raise ValueError(
@@ -158,15 +140,29 @@ def multi_worker_mirrored(
     else:
         source = "cluster_resolver"
     num_workers, worker_index = _worker_count_and_index(cluster_resolver, source)
+    # Each pack is one collective all-reduce over all replicas of all
+    # workers (NCCL between GPUs, a ring between CPUs and machines).
     ops_kwargs["transport"] = "collective"
-    # Built first, so that a bad argument fails before any waiting.
+    # Built first, so that a bad argument fails before any waiting. Its
+    # collective group and instance keys derive from the group of devices,
+    # not from how many tf_agn objects a process made, so workers that build
+    # different numbers of ops or strategies still agree. A lost peer fails
+    # the survivors' step through TensorFlow's health check;
+    # `timeout_seconds` (default None; its cost:
+    # `tf_agn.transports.DEFAULT_TIMEOUT_SECONDS`) also turns collectives
+    # called in another order into an error.
     ops = AggregatingAllReduce(
         aggregation=aggregation,
         num_workers=num_workers,
         worker_index=worker_index,
         **ops_kwargs,
     )
+    # TensorFlow connects the workers in the strategy's constructor, where
+    # waiting is neither bounded nor interruptible: meet the peers first.
     rendezvous.wait_for_peers(cluster_resolver, connect_timeout_seconds)
+    # TensorFlow catches SIGTERM while it connects (for its own preemption
+    # notices); Python's handler is put back, so that a supervisor's SIGTERM
+    # still stops the worker.
     with _sigterm_kept():
         strategy = KerasMultiWorkerMirroredStrategy(
             cluster_resolver=cluster_resolver,
@@ -181,6 +177,8 @@ def multi_worker_mirrored(
         )
     _compat.replace_cross_device_ops(strategy.extended, ops)
     if num_workers > 1:
+        # Aggregation, `bytes_per_pack`, compression, transport,
+        # implementation, local replicas and tf_agn version must agree.
         agreement.check_agreement(
             ops, strategy.extended.worker_devices, connect_timeout_seconds
         )
@@ -200,20 +198,10 @@ class _sigterm_kept:
 
 
 def _worker_count_and_index(resolver, source):
-    """How many workers the cluster has, and this one's place among them.
+    """`(num_workers, worker_index)` of `resolver`'s cluster and task.
 
-    They are numbered as `MultiWorkerMirroredStrategy` numbers replicas: the
-    chief first, then the workers in order.
-
-    Args:
-        resolver: the cluster resolver.
-        source: where it came from ("TF_CONFIG"), for error messages.
-
-    Returns:
-        `(num_workers, worker_index)`.
-
-    Raises:
-        ValueError: if this task is not a worker or chief of the cluster.
+    Raises a ValueError, naming `source` ("TF_CONFIG"), if the task is not
+    a worker or chief of the cluster.
     """
     jobs = resolver.cluster_spec().as_dict()
     chiefs = len(jobs.get("chief", []))
@@ -235,6 +223,8 @@ def _worker_count_and_index(resolver, source):
             f"{source}'s task index must be in range({tasks}), for the "
             f"cluster's {tasks} {task_type!r} task(s); received {task_id!r}."
         )
+    # Numbered as `MultiWorkerMirroredStrategy` numbers replicas: the chief
+    # first, then the workers in order.
     if task_type == "chief":
         return workers, 0
     return workers, chiefs + task_id

@@ -1,17 +1,5 @@
-"""Building a `ParameterServerStrategy` that fails fast instead of hanging.
-
-`tf.distribute.experimental.ParameterServerStrategy` connects to every
-worker and ps when it is created and retries forever while one cannot be
-reached. `parameter_server` first checks that every task accepts TCP
-connections, and names the ones that do not.
-
-Creating the strategy connects the whole process to the cluster, as its
-coordinator, for as long as the process lives: TensorFlow has no way to
-disconnect. Later strategies may connect it to other clusters, but a stock
-`MirroredStrategy` fit afterwards in the same process hangs; tests that
-train with a `ParameterServerStrategy` therefore run in processes of their
-own.
-"""
+"""`parameter_server`: a `ParameterServerStrategy` whose coordinator is this
+process, which first checks that every task can be reached."""
 
 import numbers
 
@@ -29,6 +17,9 @@ AUTO_MIN_SHARD_BYTES = 256 << 10
 
 def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30.0):
     """Returns a `ParameterServerStrategy` whose coordinator is this process.
+
+    The process stays connected to the cluster for as long as it lives:
+    train with other strategies in other processes.
 
     Args:
         cluster: where the workers and ps are. One of
@@ -63,6 +54,15 @@ def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30
         TypeError: if `cluster` is none of the above.
         ConnectionError: if a worker or ps does not accept connections
             within `connect_timeout`; it names each such address.
+
+    Example, in the coordinator, whose `TF_CONFIG` task is the "chief"
+    (see `tf_agn.strategies.LocalCluster` for a cluster on this machine):
+
+    ```python
+    strategy = tf_agn.strategies.parameter_server(variable_partitioner="auto")
+    with strategy.scope():
+        model = make_model()  # large variables are sharded across the ps
+    ```
     """
     if (
         isinstance(connect_timeout, bool)
@@ -83,6 +83,8 @@ def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30
                 f"{example_tf_config('chief')['cluster']}."
             )
     tasks = _task_addresses(jobs)
+    # The strategy connects to every task when created and retries for ever
+    # while one cannot be reached: check first, and name the missing ones.
     missing = unreachable(tasks, connect_timeout)
     if missing:
         raise ConnectionError(
@@ -92,6 +94,11 @@ def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30
             + ". Is its server running (python -m tf_agn.strategies.server), "
             "and is the address right?"
         )
+    # This connects the whole process, as the coordinator, for as long as it
+    # lives: TensorFlow cannot disconnect. Later strategies may connect it
+    # to other clusters, but a stock `MirroredStrategy` fit afterwards in
+    # the same process hangs, so tests that train with a
+    # `ParameterServerStrategy` run in processes of their own.
     return tf.distribute.experimental.ParameterServerStrategy(
         resolver,
         variable_partitioner=_partitioner(variable_partitioner, len(jobs["ps"])),
@@ -99,6 +106,7 @@ def parameter_server(cluster=None, variable_partitioner=None, connect_timeout=30
 
 
 def _cluster_resolver(cluster):
+    """The `ClusterResolver` of `parameter_server`'s `cluster` argument."""
     if cluster is None:
         read_tf_config(("chief",))  # Clear errors for a malformed TF_CONFIG.
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -131,6 +139,7 @@ def _task_addresses(jobs):
 
 
 def _partitioner(variable_partitioner, num_ps):
+    """The partitioner `variable_partitioner` names, for `num_ps` ps."""
     partitioners = tf.distribute.experimental.partitioners
     if variable_partitioner is None or callable(variable_partitioner):
         return variable_partitioner

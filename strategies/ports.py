@@ -1,9 +1,5 @@
-"""Finding free ports and waiting for addresses to accept connections.
-
-A TensorFlow task that cannot reach another one does not fail: it retries,
-so `ParameterServerStrategy` hangs on a typo in a cluster spec or on a task
-that never started. These helpers let tf_agn check first, with a deadline.
-"""
+"""Free TCP ports, and waiting with a deadline for addresses to accept
+connections (`free_ports`, `unreachable`)."""
 
 import socket
 import time
@@ -17,14 +13,10 @@ _RETRY_PAUSE_S = 0.1
 def free_ports(count):
     """Returns `count` distinct TCP ports that nothing on this host listens on.
 
-    The operating system picks them (binding to port 0); all are bound at
-    once, so they differ. Each then stays reserved for about a minute, for
-    the caller's server to bind: a connection to it is closed from its side
-    first, which leaves the port in TIME_WAIT. Binds to port 0 skip such
-    ports (in any process, other `free_ports` calls included), while a
-    server that sets SO_REUSEADDR, as TensorFlow's gRPC servers do, binds
-    it at once. A process that binds the port by its number with
-    SO_REUSEADDR may still take it first.
+    Each stays reserved for about a minute against binds to port 0 (other
+    `free_ports` calls included), for the caller's server to bind with
+    SO_REUSEADDR, as TensorFlow's gRPC servers do. A process that binds it
+    by number with SO_REUSEADDR may still take it first.
 
     Args:
         count: how many ports.
@@ -32,6 +24,10 @@ def free_ports(count):
     Returns:
         A list of port numbers.
     """
+    # The operating system picks each (a bind to port 0); all are bound at
+    # once, so they differ. Closing a connection to the port from its side
+    # first leaves it in TIME_WAIT, which binds to port 0 (in any process)
+    # skip, while a bind with SO_REUSEADDR takes it at once.
     listeners = []
     try:
         for _ in range(count):
@@ -81,9 +77,6 @@ def accepts(address, timeout=_ATTEMPT_TIMEOUT_S):
 def unreachable(addresses, timeout, poll=None):
     """Waits until every address accepts TCP connections, up to `timeout` s.
 
-    Tasks that are still starting refuse connections, so each address is
-    tried again until it accepts or the deadline passes.
-
     Args:
         addresses: `"host:port"` strings.
         timeout: seconds to wait in all.
@@ -100,6 +93,11 @@ def unreachable(addresses, timeout, poll=None):
     """
     for address in addresses:
         host_and_port(address)  # A malformed address should fail at once.
+    # A TensorFlow task that cannot reach another one retries for ever
+    # (`ParameterServerStrategy` hangs on a typo in a cluster spec), so
+    # tf_agn checks first, with a deadline. Tasks still starting refuse
+    # connections: each address is tried again until it accepts or the
+    # deadline passes.
     pending = list(addresses)
     deadline = time.monotonic() + timeout
     while True:

@@ -1,24 +1,6 @@
-"""Waiting for every worker of a multi-worker cluster, with a deadline,
-before TensorFlow connects them.
-
-`MultiWorkerMirroredStrategy` connects the workers in its constructor,
-inside TensorFlow's C++ runtime: a peer that never comes keeps worker 0
-there for ever, and neither Ctrl-C nor SIGTERM reaches Python meanwhile
-(TensorFlow's coordination service catches SIGTERM for its own preemption
-notices). So every worker first meets its peers here, in Python, where
-waiting is bounded and interruptible:
-
-1. it listens on its own cluster port with a plain socket, so that peers
-   that are waiting too can see it is there (TensorFlow's server, which
-   takes the port over afterwards, does not exist yet);
-2. it connects to each peer's port until every peer has answered, either
-   through that peer's socket or through its TensorFlow server;
-3. it closes its socket and lets TensorFlow bind the port.
-
-A peer that fails between this meeting and TensorFlow's own connection can
-still hold worker 0 up; that window is the few seconds the constructor
-takes.
-"""
+"""`wait_for_peers`: waiting, with a deadline and interruptibly, for every
+worker of a multi-worker cluster to answer on its port, before TensorFlow
+connects them."""
 
 import contextlib
 import socket
@@ -55,6 +37,8 @@ def peers_of(cluster_resolver):
 def wait_for_peers(cluster_resolver, timeout_seconds):
     """Returns once every peer of this worker answers on its cluster port.
 
+    Meanwhile this worker listens on its own port, so that its peers see it.
+
     Args:
         cluster_resolver: the cluster and this worker's place in it.
         timeout_seconds: how long to wait in all.
@@ -64,9 +48,20 @@ def wait_for_peers(cluster_resolver, timeout_seconds):
             answer within `timeout_seconds`.
         KeyboardInterrupt: on Ctrl-C, at any time.
     """
+    # `MultiWorkerMirroredStrategy` connects the workers in TensorFlow's C++
+    # runtime: a peer that never comes keeps worker 0 there for ever, and
+    # neither Ctrl-C nor SIGTERM reaches Python meanwhile (TensorFlow's
+    # coordination service catches SIGTERM for its own preemption notices).
+    # Here, in Python, waiting is bounded and interruptible. A peer that
+    # fails between this meeting and TensorFlow's connection (the few
+    # seconds the constructor takes) can still hold worker 0 up.
     peers, own_address = peers_of(cluster_resolver)
     if not peers:
         return
+    # Our own port listens with a plain socket, so that peers waiting too
+    # see us before our TensorFlow server (which takes the port over
+    # afterwards) exists; a peer answers through its socket or its
+    # TensorFlow server. The socket is closed before TensorFlow binds.
     with _listening(own_address):
         missing = ports.unreachable([address for _, address in peers], timeout_seconds)
     if missing:

@@ -6,6 +6,8 @@ killed. Run one on every worker and ps machine of a cluster; the
 coordinator (task type "chief") runs the training script instead, which
 builds its strategy with `tf_agn.strategies.parameter_server()`.
 
+Start them before the coordinator. Every address must be reachable from
+every machine, the coordinator's too (the workers connect back to it).
 `TF_CONFIG` for the first worker of a cluster with one coordinator, two
 workers and one parameter server:
 
@@ -15,11 +17,10 @@ workers and one parameter server:
              "ps": ["host3:2222"]},
  "task": {"type": "worker", "index": 0}}
 ```
-
-This module imports nothing from tf_agn, so that `LocalCluster` can run it
-as a plain script and its servers skip importing Keras.
 """
 
+# Nothing from tf_agn: `LocalCluster` runs this module as a plain script,
+# whose servers then skip importing Keras.
 import argparse
 import json
 import os
@@ -126,12 +127,11 @@ def exposure_notice(addresses):
     """The line printed when servers start: which ports TensorFlow's gRPC
     servers open to every network interface, and what that allows.
 
-    `tf.distribute.Server` binds the wildcard address whatever host its
-    cluster spec names, and runs any op for anyone who connects.
-
     Args:
         addresses: the servers' "host:port" or "grpc://host:port".
     """
+    # `tf.distribute.Server` binds the wildcard address whatever host its
+    # cluster spec names, and runs any op for anyone who connects.
     ports = ", ".join(address.rpartition(":")[2] for address in addresses)
     return (
         "tf_agn: TensorFlow gRPC servers listen on all network interfaces, "
@@ -165,13 +165,11 @@ def start_server(tf_config):
 
 
 def _exit_with_parent(parent_pid):
-    """Ends this process once `parent_pid` is no longer its parent.
+    """Ends this process once `parent_pid` is no longer its parent."""
 
-    A server blocked in `join()` never returns to Python, so it cannot
-    react to signals that its parent did not send; this watcher makes it
-    exit even when its parent was killed without cleaning up.
-    """
-
+    # A server blocked in `join()` never returns to Python, so it cannot
+    # react to signals its parent did not send; this watcher makes it exit
+    # even when its parent was killed without cleaning up.
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(_PARENT_POLL_S)
@@ -181,6 +179,7 @@ def _exit_with_parent(parent_pid):
 
 
 def main(argv=None):
+    """Serves the task `TF_CONFIG` describes until the process is killed."""
     parser = argparse.ArgumentParser(
         prog="python -m tf_agn.strategies.server",
         description="Serves the worker or ps task that TF_CONFIG describes.",

@@ -48,36 +48,33 @@ def simulate(
 ):
     """Runs n virtual asynchronous workers in one process, in a given order.
 
-    It runs the same worker and server programs as `tf_agn.strategies.fit`
-    on a parameter-server cluster, but the interleaving is chosen, not
-    raced: every worker pulls at the start, and then, for each of
-    `num_windows` commits, the worker whose turn it is takes its λ local
-    steps, commits, and pulls again. A round-robin order makes every commit
-    after the first round exactly n − 1 commits stale (E[staleness] → n − 1,
-    the AGN paper's model of n asynchronous workers); a seeded random order
-    gives the geometric-like staleness of workers of equal speed.
-
-    It is the oracle for exact tests of the asynchronous update rules, and
-    a way to study staleness without a cluster.
+    It runs `tf_agn.strategies.fit`'s worker and server programs, but the
+    interleaving is chosen, not raced: every worker pulls at the start;
+    then, for each of `num_windows` commits, the worker whose turn it is
+    takes its λ local steps, commits, and pulls again. Use it to test the
+    asynchronous update rules exactly, or to study staleness without a
+    cluster.
 
     Args:
         model: a built Keras model compiled with a
             `tf_agn.optimizers.WindowedOptimizer`, without a distribution
             strategy. Its weights are the center and hold the result.
         dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
-            batches, long enough for that worker's windows, as for
-            `tf_agn.strategies.fit`; here virtual worker i is pipeline i
-            of n (`input_context.input_pipeline_id`), so each can seed or
-            shard its own data.
+            batches, long enough for that worker's windows. Virtual worker
+            i is pipeline i of n (`input_context.input_pipeline_id`), so
+            each can seed or shard its own data.
         num_workers: n, the number of virtual workers (an int >= 1).
         num_windows: the number of commits to simulate (an int >= 1).
-        order: "round_robin", "random" (seeded by `seed`), or an explicit
-            sequence of `num_windows` worker indices.
+        order: "round_robin" (every commit after the first round is exactly
+            n − 1 stale, the AGN paper's model of n asynchronous workers),
+            "random" (seeded by `seed`: the geometric-like staleness of
+            workers of equal speed), or a sequence of `num_windows` worker
+            indices.
         seed: the seed of the random order.
         callback: None, or `fn(window_index)` called after every commit
-            (and the committing worker's pull), in commit order; the
-            model's weights are then the center after that commit, so it
-            can evaluate the center over (simulated) time.
+            (and the committing worker's pull), in commit order, when the
+            model's weights are the center after that commit: it can
+            evaluate the center over (simulated) time.
 
     Returns:
         A `Simulation`.
@@ -89,6 +86,18 @@ def simulate(
             order, an order of the wrong length or with bad indices, a
             model not compiled with a windowed optimizer, or a dataset of
             single examples or too short for its worker's windows.
+
+    Example:
+
+    ```python
+    model = tf_agn.models.mlp((784,), 10)
+    model.compile(optimizer=tf_agn.optimizers.AGN(local_steps=4),
+                  loss="sparse_categorical_crossentropy")
+    simulation = tf_agn.strategies.simulate(
+        model, lambda context: dataset.repeat().batch(32), num_workers=4,
+        num_windows=20)
+    print(simulation.staleness.histogram())
+    ```
     """
     optimizer = check_optimizer(model)
     for name, value in (("num_workers", num_workers), ("num_windows", num_windows)):
@@ -150,6 +159,7 @@ def _too_short(worker, commit_order, local_steps):
 
 
 def _commit_order(order, num_workers, num_windows, seed):
+    """The worker index of every commit, from `simulate`'s `order`."""
     if isinstance(order, str):
         if order == "round_robin":
             return [window % num_workers for window in range(num_windows)]

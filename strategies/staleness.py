@@ -1,10 +1,5 @@
-"""`Staleness`: how far behind the center each applied commit was.
-
-A commit's staleness is the number of server updates between the pull its
-window started from and the commit itself. `fit` and `simulate` record one
-sample per applied commit; `fit` also writes the run's histogram for
-TensorBoard.
-"""
+"""`Staleness`: how far behind the center each applied commit was, as
+`fit` and `simulate` record it."""
 
 import collections
 
@@ -16,14 +11,25 @@ import tensorflow as tf
 class Staleness:
     """Per-commit staleness: server updates between a pull and its commit.
 
+    `fit` and `simulate` record one sample per applied commit.
+
     Attributes:
         counts: `{staleness: number of applied commits}`.
+
+    Example:
+
+    ```python
+    history = tf_agn.strategies.fit(model, dataset_fn, steps_per_epoch=40)
+    values, counts = history.staleness.histogram()
+    print(history.staleness.mean)
+    ```
     """
 
     def __init__(self):
         self.counts = collections.Counter()
 
     def record(self, staleness):
+        """Counts one applied commit of `staleness`."""
         self.counts[int(staleness)] += 1
 
     def histogram(self):
@@ -38,12 +44,14 @@ class Staleness:
 
     @property
     def mean(self):
+        """The mean staleness; 0.0 before any commit."""
         values = self.values()
         return float(values.mean()) if values.size else 0.0
 
 
 def write_staleness_histogram(callback_list, staleness, epoch):
-    """Writes `staleness` as a histogram for each TensorBoard callback."""
+    """Writes `staleness` as a histogram for each TensorBoard callback of
+    `callback_list`, at step `epoch`."""
     for callback in callback_list.callbacks:
         if isinstance(callback, keras.callbacks.TensorBoard):
             writer = tf.summary.create_file_writer(callback.log_dir + "/train")

@@ -1,9 +1,4 @@
-"""Reading the `TF_CONFIG` environment variable, with errors that name it.
-
-TensorFlow's own readers (`TFConfigClusterResolver`) call `json.loads` on
-it when first asked, so a typo surfaces as a bare `JSONDecodeError` that
-never says which text was wrong.
-"""
+"""Reading the `TF_CONFIG` environment variable, with errors that quote it."""
 
 import json
 import os
@@ -28,6 +23,9 @@ def load(environ=os.environ):
     text = environ.get("TF_CONFIG", "")
     if not text.strip():
         return None
+    # TensorFlow's own readers (`TFConfigClusterResolver`) parse it when
+    # first asked, so a typo surfaces as a bare `JSONDecodeError` that never
+    # says which text was wrong.
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:

@@ -1,11 +1,8 @@
 """`fit`: asynchronous parameter-server training of a Keras 3 model.
 
-Keras 3's `model.fit` does not run under `ParameterServerStrategy`, so this
-module schedules windows on a `ClusterCoordinator` itself, inside the
-callback, progress-bar and `History` skeleton it shares with ADL
-(`tf_agn.training_loop.run_epochs`). What it checks first is in
-`training_checks`, the evaluation of the center in `evaluation`, staleness
-in `staleness`, and how it survives failures in `recovery`.
+Its checks are in `training_checks`, the evaluation of the center in
+`evaluation`, staleness in `staleness`, and how it survives failures in
+`recovery`.
 """
 
 import math
@@ -44,59 +41,37 @@ def fit(
 ):
     """Trains `model` asynchronously on a `ParameterServerStrategy` cluster.
 
-    Keras 3's `model.fit` does not run under `ParameterServerStrategy`; this
-    is its asynchronous counterpart. The model must be built and compiled
-    under the strategy's scope with a `tf_agn.optimizers.WindowedOptimizer`
-    (AGN, DOWNPOUR, DynSGD, AEASGD, EAMSGD). Each scheduled window runs on
-    whichever worker is free: it pulls the center, takes λ = `local_steps`
-    steps on the worker's own weights and optimizer state, and commits; the
-    parameter servers apply commits as they arrive (see
-    `tf_agn.strategies.commit_server.CommitServer`).
+    The asynchronous counterpart of `model.fit`, which Keras 3 does not run
+    under `ParameterServerStrategy`. Build and compile the model under the
+    strategy's scope with a `tf_agn.optimizers.WindowedOptimizer` (AGN,
+    DOWNPOUR, DynSGD, AEASGD, EAMSGD). Each window runs on whichever worker
+    is free: it pulls the center, takes λ = `local_steps` steps on the
+    worker's own weights and optimizer state, and commits; the parameter
+    servers apply commits as they arrive (see
+    `tf_agn.strategies.commit_server.CommitServer`). Every window is applied
+    exactly once, even when its worker dies; a commit holding NaN or Inf is
+    rejected and counted (`rejected_commits` in the logs).
 
-    Delivery is exactly once per window: a worker that dies has its window
-    re-run elsewhere by the `ClusterCoordinator`, and the server drops a
-    second commit for a window it already applied. A commit holding NaN or
-    Inf is rejected, counted (`rejected_commits` in the logs) and never
-    reaches the center.
-
-    Keras callbacks run as under `model.fit`, with one "batch" per window:
-    the History is returned, a progress bar shows with `verbose`, and
+    Keras callbacks run as under `model.fit`, with one "batch" per window,
+    and a progress bar shows with `verbose`. Training logs the workers'
+    mean `loss`, `staleness` (the epoch's mean) and `commits`;
     `validation_data` is evaluated on the center at every epoch's end
-    (`val_` logs, with the compiled metrics; training logs the workers'
-    mean loss). The logs also carry `staleness` (the epoch's mean) and
-    `commits`; `history.staleness` is a `Staleness` over the run, and a
-    `keras.callbacks.TensorBoard` among the callbacks gets its histogram.
+    (`val_` logs, with the compiled metrics). A
+    `keras.callbacks.TensorBoard` among the callbacks gets the staleness
+    histogram.
 
-    With `checkpoint_dir`, the center, the server's counters and the
-    record of applied windows are saved with `tf.train.CheckpointManager`
-    every `checkpoint_every` windows (and at every epoch's end); a run
-    restarted with the same `checkpoint_dir` (for example after a
-    parameter-server failure) resumes from the latest checkpoint and
-    re-runs only the windows it had not applied, so it loses at most one
-    interval. Each save first waits for the windows scheduled before it.
-
-    Example:
-
-    ```python
-    with tf_agn.strategies.LocalCluster(num_workers=2) as cluster:
-        strategy = tf_agn.strategies.parameter_server(cluster)
-        with strategy.scope():
-            model = tf_agn.models.mlp((784,), 10)
-            model.compile(optimizer=tf_agn.optimizers.AGN(local_steps=10),
-                          loss="sparse_categorical_crossentropy")
-        history = tf_agn.strategies.fit(
-            model, lambda input_context: dataset.repeat().batch(32),
-            epochs=2, steps_per_epoch=40)
-    ```
+    With `checkpoint_dir`, the center, the server's counters and the record
+    of applied windows are saved every `checkpoint_every` windows and at
+    every epoch's end; a run restarted with the same `checkpoint_dir` (after
+    a parameter-server failure, say) resumes from the latest checkpoint,
+    losing at most one interval.
 
     Args:
         model: a compiled Keras model, created under the strategy's scope.
         dataset_fn: `fn(input_context) -> tf.data.Dataset` of `(x, y)`
-            batches, repeated, TensorFlow's convention: every worker builds
-            its own, given a `tf.distribute.InputContext`. As under
-            TensorFlow's `ParameterServerStrategy`, workers are not in
-            step, so every worker is pipeline 0 of 1: shuffle unseeded, or
-            the workers see the same order.
+            batches, repeated: every worker builds its own. Every worker is
+            pipeline 0 of 1, so shuffle unseeded, or the workers see the
+            same order.
         epochs: the number of epochs.
         steps_per_epoch: local steps per epoch, over all workers; an epoch
             is `ceil(steps_per_epoch / local_steps)` windows.
@@ -112,11 +87,26 @@ def fit(
             or Inf (the default).
 
     Returns:
-        A `keras.callbacks.History`, with a `staleness` attribute.
+        A `keras.callbacks.History`, with a `staleness` attribute (a
+        `tf_agn.strategies.Staleness` over the run).
 
     Raises:
         ValueError: if the strategy, the optimizer or an argument does not
             fit asynchronous training.
+
+    Example:
+
+    ```python
+    with tf_agn.strategies.LocalCluster(num_workers=2) as cluster:
+        strategy = tf_agn.strategies.parameter_server(cluster)
+        with strategy.scope():
+            model = tf_agn.models.mlp((784,), 10)
+            model.compile(optimizer=tf_agn.optimizers.AGN(local_steps=10),
+                          loss="sparse_categorical_crossentropy")
+        history = tf_agn.strategies.fit(
+            model, lambda input_context: dataset.repeat().batch(32),
+            epochs=2, steps_per_epoch=40)
+    ```
     """
     strategy = model.distribute_strategy
     optimizer = check_model(model, strategy)
@@ -132,6 +122,7 @@ def fit(
         checkpoint_every=checkpoint_every,
         reject_non_finite=reject_non_finite,
     )
+    # The callback, progress-bar and `History` skeleton it shares with ADL.
     history = run_epochs(
         model,
         epochs,
@@ -148,24 +139,12 @@ def fit(
 
 
 class _WindowRunner:
-    """Runs `fit`'s windows on a `ClusterCoordinator`, epoch by epoch.
+    """Runs `fit`'s windows on a `ClusterCoordinator`, epoch by epoch,
+    resuming from the latest checkpoint in `checkpoint_dir`.
 
-    It first restores the center, the server's counters and the record of
-    applied windows from the latest checkpoint in `checkpoint_dir`.
-
-    Args:
-        model: as `fit`'s.
-        optimizer: the model's `WindowedOptimizer`.
-        dataset_fn: as `fit`'s.
-        epochs: as `fit`'s.
-        windows_per_epoch: the windows of an epoch.
-        checkpoint_dir: as `fit`'s.
-        checkpoint_every: as `fit`'s.
-        reject_non_finite: as `fit`'s.
-
-    Attributes:
-        server: the `CommitServer`.
-        staleness: the `Staleness` of every commit applied so far.
+    Its arguments are `fit`'s, with the model's `WindowedOptimizer` and the
+    number of windows per epoch. `server` is the `CommitServer`;
+    `staleness` the `Staleness` of every commit applied so far.
     """
 
     def __init__(
@@ -191,12 +170,16 @@ class _WindowRunner:
                 reject_non_finite,
             )
             worker = Worker(model, optimizer, self.server, strategy)
+        # As under TensorFlow's `ParameterServerStrategy`, the workers are
+        # not in step: every worker is pipeline 0 of 1.
         input_context = tf.distribute.InputContext(
             num_input_pipelines=1,
             input_pipeline_id=0,
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
         build_compiled_metrics(model, dataset_from(dataset_fn, input_context, model))
+        # Restores the center, the server's counters and the record of
+        # applied windows: only windows not yet applied run again.
         self._manager = checkpoint_manager(model, self.server, checkpoint_dir)
         self._applied = self.server.applied_windows.numpy().astype(bool)
         per_worker_dataset = self._coordinator.create_per_worker_dataset(
@@ -230,6 +213,8 @@ class _WindowRunner:
             scheduled = [(w, self._schedule(w)) for w in pending[start : start + chunk]]
             for window, result in scheduled:
                 callback_list.on_train_batch_begin(window - first)
+                # A dead worker's window is re-run elsewhere by the
+                # `ClusterCoordinator`; the server drops a second commit.
                 loss, window_staleness, outcome = fetch_window(
                     result, lambda: self._schedule(window)
                 )
@@ -240,7 +225,7 @@ class _WindowRunner:
                     losses.append(float(loss))
                 callback_list.on_train_batch_end(window - first, {"loss": _mean(losses)})
             # Every window scheduled before the save has been fetched: the
-            # checkpoint is consistent.
+            # checkpoint is consistent (each save waits for them).
             if self._manager is not None:
                 self._manager.save()
         write_staleness_histogram(callback_list, self.staleness, epoch)
@@ -252,10 +237,12 @@ class _WindowRunner:
         }
 
     def _schedule(self, window):
+        """Schedules `window` on a free worker; returns its `RemoteValue`."""
         return self._coordinator.schedule(
             self._run_window, args=(self._iterator, tf.constant(window, tf.int64))
         )
 
 
 def _mean(values):
+    """The mean of `values`, NaN if there are none."""
     return float(np.mean(values)) if values else float("nan")

@@ -1,9 +1,6 @@
-"""Checks of what asynchronous training is given, shared by `fit` and
-`simulate`: the model and its optimizer, the user's datasets and `fit`'s
-arguments.
-
-Each raises before any window runs, with an error that says what to change,
-where TensorFlow or Keras would fail later and less clearly.
+"""Checks, shared by `fit` and `simulate`, of the model and its optimizer,
+the user's datasets and `fit`'s arguments. Each raises before any window
+runs, saying what to change.
 """
 
 import tensorflow as tf
@@ -106,11 +103,9 @@ def dataset_from(dataset_fn, input_context, model):
 
 
 def _check_batched(x_spec, model):
-    """Raises if `x_spec` is one example of what `model` takes a batch of.
-
-    Keras' own error for it ("Invalid input shape") does not say that the
-    dataset lacks a `.batch`.
-    """
+    """Raises if `x_spec` is one example of what `model` takes a batch of."""
+    # Keras' own error for it ("Invalid input shape"), raised later, does
+    # not say that the dataset lacks a `.batch`.
     inputs = getattr(model, "inputs", None) or []
     x_specs = tf.nest.flatten(x_spec)
     if len(x_specs) != len(inputs):

@@ -13,17 +13,12 @@ from tf_agn.strategies.worker_state import per_worker_variables
 class Worker:
     """A worker's weights θ, its inner optimizer, and its window program.
 
-    A window is `pull`, `local_step` λ times, then `commit`. Each is plain
-    TensorFlow, traced into the caller's function, so the parameter-server
-    executor (`tf_agn.strategies.fit`, one scheduled function per window)
-    and the deterministic simulator (`tf_agn.strategies.simulate`, which
-    interleaves virtual workers in a chosen order) run the same program.
-
-    Under `ParameterServerStrategy` the worker's state is worker-local
-    (`per_worker_variable`): each worker keeps its own θ and optimizer
-    state (e.g. Adam's moments) across windows, as in the paper. The model's
-    non-trainable variables (e.g. batch-norm statistics) are read from the
-    center and not updated by workers.
+    A window is `pull`, `local_step` λ times, then `commit`, each traced
+    into the caller's function: `tf_agn.strategies.fit` (one scheduled
+    function per window) and `tf_agn.strategies.simulate` run the same
+    program. Each worker keeps its own θ and optimizer state (e.g. Adam's
+    moments) across windows; the model's non-trainable variables (e.g.
+    batch-norm statistics) are read from the center and not updated.
 
     Args:
         model: the Keras model; its trainable variables are the center.
@@ -38,6 +33,7 @@ class Worker:
         self.optimizer = optimizer
         self.server = server
         centers = model.trainable_variables
+        # Worker-local under `ParameterServerStrategy`, as in the paper.
         with per_worker_variables(strategy):
             self.weights = [
                 tf.Variable(center.value, trainable=False, name="local")
@@ -117,8 +113,7 @@ class Worker:
 
     def _compressed(self, deltas):
         """The commit's payloads (see `CommitServer.apply`), compressed on
-        this worker, and its error-feedback state updated: kept as it was
-        where Δ is not finite, which the server rejects."""
+        this worker; updates its error-feedback state."""
         compressor = self.server.compressor
         finite = all_finite(deltas)
         payloads = []
@@ -127,6 +122,7 @@ class Worker:
                 payloads.append((delta,))
                 continue
             payload, new_state = compressor.encode(delta, {k: tf.identity(v) for k, v in state.items()})
+            # Kept as it was where Δ is not finite: the server rejects it.
             for name, variable in state.items():
                 variable.assign(tf.where(finite, new_state[name], variable))
             payloads.append(payload)
@@ -134,12 +130,14 @@ class Worker:
 
 
 def _state_spec(compressor, center):
+    """The error-feedback state `compressor` keeps for `center`, by name."""
     if not compression.is_stateful(compressor) or not compressor.acts_on(center.dtype):
         return {}
     return compressor.state_spec(center.shape)
 
 
 def _initial_value(spec):
+    """The initial value of a compressor's state variable."""
     if spec.initializer == "zeros":
         return tf.zeros(spec.shape)
     return spec.initializer(spec.shape, tf.float32)

@@ -1,12 +1,5 @@
-"""Worker-local variables that keep their program order inside a function.
-
-`ParameterServerStrategy` gives every worker its own copy of a variable
-created with `per_worker_variable=True`. In TensorFlow 2.21 a traced
-function may reorder a read of such a variable before an earlier write
-(see `tf_agn._compat.ordered_per_worker`): a local optimizer step could
-read weights its previous step had not yet written. Variables created
-here are made to keep their order.
-"""
+"""`per_worker_variables`: worker-local variables that keep their program
+order inside a traced function."""
 
 import contextlib
 
@@ -33,7 +26,11 @@ def per_worker_variables(strategy):
         return
 
     def creator(next_creator, **kwargs):
+        # `ParameterServerStrategy` gives every worker its own copy.
         kwargs["per_worker_variable"] = True
+        # In TensorFlow 2.21 a traced function may move a read of such a
+        # variable before an earlier write: a local optimizer step could
+        # read weights its previous step had not yet written.
         return _compat.ordered_per_worker(next_creator(**kwargs))
 
     with tf.variable_creator_scope(creator):

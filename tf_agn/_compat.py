@@ -1,99 +1,83 @@
 """Every private TensorFlow and Keras API tf_agn relies on, and the
 versions it is tested with.
 
-Private modules change without notice between releases. Reaching them from
-one module means the next release breaks one place, and `tests/test_compat.py`
-checks each name below, so that the break is a clear test failure rather
-than a wrong number in training. Importing tf_agn under a TensorFlow or
-Keras outside `TESTED_VERSIONS` warns once (`check_versions`).
+Only this module reaches them, so a release that changes one breaks one
+place, and `tests/test_compat.py` checks each name below. Importing tf_agn
+under a TensorFlow or Keras outside `TESTED_VERSIONS` warns once
+(`check_versions`). The private methods tf_agn's classes override are in
+`OVERRIDDEN_PRIVATE_METHODS`.
 
-What we need from TensorFlow, and why:
+From TensorFlow:
 
-- `resource_variable_ops.ResourceVariable`: a variable made outside any
+- `resource_variable_ops.ResourceVariable`: a variable outside any
   strategy's variable creator (`plain_variable`), for the per-replica
-  instance-key counters and ordering tokens of tf_agn's collectives, as
-  TensorFlow's own collective launcher makes its tokens. `tf.Variable`
-  under a `MirroredStrategy` scope would make a mirrored variable.
-- `cross_device_ops.check_destinations`, `get_devices_from` (with the
-  ops' private `_canonicalize_devices` flag: `devices_of`) and
-  `_make_tensor_into_per_replica`: how TensorFlow's own cross-device ops
-  read the `destinations` and values they are given.
-- `distribute_utils.regroup` and `values.Mirrored`: building the
-  per-replica results a `CrossDeviceOps` must return.
-- `CollectiveAllReduceExtended._cross_device_ops`: where a
-  `MultiWorkerMirroredStrategy` keeps its all-reduce; there is no public
-  argument to give it another (`replace_cross_device_ops`), nor to read it
-  (`cross_device_ops`, for benchmarks that compare against it).
-- `ps_values.PerWorkerVariable`, its call-time handle capture, and
-  `ops.get_default_graph().capture_call_time_value`: worker-local variables
-  whose reads and writes keep their program order (`ordered_per_worker`).
+  counters and ordering tokens of tf_agn's collectives; `tf.Variable` in a
+  `MirroredStrategy` scope would be mirrored.
+- `cross_device_ops.check_destinations`, `get_devices_from` (with the ops'
+  `_canonicalize_devices`: `devices_of`) and `_make_tensor_into_per_replica`:
+  how TensorFlow's cross-device ops read their `destinations` and values.
+- `distribute_utils.regroup` and `values.Mirrored`: the per-replica results
+  a `CrossDeviceOps` returns.
+- `CollectiveAllReduceExtended._cross_device_ops`: a
+  `MultiWorkerMirroredStrategy`'s all-reduce, which no public API replaces
+  (`replace_cross_device_ops`) or reads (`cross_device_ops`).
+- `ps_values.PerWorkerVariable`, its call-time handle capture,
+  `ops.get_default_graph().capture_call_time_value` and `_unique_id`:
+  worker-local variables that keep their program order
+  (`ordered_per_worker`).
 
-What we need from Keras, and why:
+From Keras:
 
 - `BaseOptimizer._backend_update_step`, `_apply_weight_decay` and
-  `_clip_gradients`, the backend-agnostic versions: they update each
-  variable in the context they are called in. Keras' TensorFlow optimizer
-  overrides them to all-reduce and then update every replica through
-  `merge_call`; tf_agn communicates by itself and updates each replica's
-  copy in replica context, which is what lets NONE steps stay local and
-  `steps_per_execution > 1` work (`update_step_in_place`,
-  `apply_weight_decay_in_place`, `clip_gradients_in_place`).
-- `BaseOptimizer.add_variable_from_reference`: Keras' TensorFlow
-  optimizer colocates its slots with their weights through the strategy,
-  which `ParameterServerStrategy` refuses for worker-local weights
+  `_clip_gradients`, backend-agnostic: they update in the calling context,
+  where Keras' TensorFlow optimizer all-reduces and updates through
+  `merge_call`; so NONE steps stay local and `steps_per_execution > 1`
+  works (`update_step_in_place`, `apply_weight_decay_in_place`,
+  `clip_gradients_in_place`).
+- `BaseOptimizer.add_variable_from_reference`, plain: Keras' TensorFlow
+  optimizer colocates slots through the strategy, which
+  `ParameterServerStrategy` refuses for worker-local weights
   (`slots_created_plainly`).
-- Gradient accumulation's state: the accumulators Keras' `build` asks
-  for by name (`KERAS_ACCUMULATOR_NAME`, `accumulator_of`), the micro-step
-  count `_iterations` (`iterations` counts applied steps), the name Keras
-  gives a variable made from a reference (`reference_variable_name`), and
-  `_track_variable`, which makes a variable one of the optimizer's
-  (`track_variable`): tf_agn makes the accumulators replica-local, which
+- Gradient accumulation's state: the accumulators `build` names
+  (`KERAS_ACCUMULATOR_NAME`) and keeps in `_accumulated_gradients`
+  (`accumulator_of`), `_get_variable_index` (`variable_index`), the
+  micro-step count `_iterations` (`micro_step`), the name of a variable
+  made from a reference (`reference_variable_name`) and `_track_variable`
+  (`track_variable`): tf_agn makes replica-local accumulators, which
   `add_variable` has no argument for.
-- `LossScaleOptimizer.check_finite` as the decision point of Keras'
-  TensorFlow `apply`: under a strategy it is called on each replica's own
-  gradients before any all-reduce, and the step follows replica 0's answer,
-  so an overflow on another replica reaches every replica's weights.
-  `keras.Model.compile` creates the stock class by itself under
-  `mixed_float16`, so a subclass would never be used: tf_agn replaces the
-  method on the class (`replace_loss_scale_check_finite`) with one that asks
-  the inner optimizer, when it has `all_replicas_finite`, and otherwise
-  calls the stock method (`stock_loss_scale_check_finite`); see
-  `tf_agn.optimizers.loss_scaling`.
-- `Trainer._initial_epoch`: the epoch Keras's TensorFlow `fit` starts
-  from when set, which its own `BackupAndRestore` sets; a callback has no
-  public way to move `fit`'s start (`set_initial_epoch`, for
-  `tf_agn.callbacks.BackupAndRestore`).
-- `LossFunctionWrapper` and `CompileMetrics`: the loss and metrics objects
-  `keras.Model.compile` builds from what users pass, for `DecoupledModel`,
-  which compiles like a Keras model but is not one.
-- `Trainer._compile_loss` and `_compile_metrics`: the loss and metrics
-  objects a compiled model keeps (`compiled_loss`, `compiled_metrics`).
-  The parameter-server trainer runs its own steps and evaluation rather
-  than `fit`'s, so it calls them directly: the public `compute_loss` adds
-  the losses of the model's own state, not those a `stateless_call` with a
-  worker's weights returns, and `model.metrics` has no
-  `update_state(y, y_pred)` for the compiled metrics alone.
-- `Function._nodes_by_depth`: the nodes of a functional model's graph by
-  their depth from the output (`nodes_by_depth`), which `split_model` cuts
-  in topological order; Keras has no public traversal of a graph's nodes.
-- `TFOptimizer._distribution_strategy`: the strategy in scope when a
-  Keras optimizer was created, which it updates through from then on
-  (`creation_strategy`): its default aggregation, the replicas a windowed
-  optimizer's commits run on, and a clear error when an optimizer is used
-  under another strategy.
-- `BaseOptimizer._trainable_variables`: the variables an optimizer was
-  built for (`built_variables`), whose centers a windowed optimizer keeps
-  and swaps; `build` takes them but no public attribute gives them back.
-- `BaseOptimizer._learning_rate`: the learning rate as it was given, a
-  variable, a `LearningRateSchedule` or a callable (`learning_rate_source`);
-  the public `learning_rate` evaluates the latter two, hiding which
-  variable of `optimizer.variables` is the rate and whether a schedule is
-  checkable before training.
+- `LossScaleOptimizer.check_finite`, where Keras' TensorFlow `apply`
+  decides to skip a step, from each replica's own gradients (the step
+  follows replica 0's). `compile` creates the stock class, so it is
+  patched (`replace_loss_scale_check_finite`) to ask the inner optimizer's
+  `all_replicas_finite`, else the stock method
+  (`stock_loss_scale_check_finite`); see `tf_agn.optimizers.loss_scaling`.
+- `Trainer._initial_epoch`: the epoch `fit` starts from, which Keras' own
+  `BackupAndRestore` sets; no public way for a callback
+  (`set_initial_epoch`, for `tf_agn.callbacks.BackupAndRestore`).
+- `LossFunctionWrapper` and `CompileMetrics`: what `compile` builds from
+  the user's loss and metrics, for `DecoupledModel`, which compiles like a
+  Keras model but is not one.
+- `Trainer._compile_loss` and `_compile_metrics` (`compiled_loss`,
+  `compiled_metrics`): the parameter-server trainer's own steps need the
+  compiled loss without the model's own regularization losses (a
+  `stateless_call` returns the worker's), and `update_state(y, y_pred)` of
+  the compiled metrics alone.
+- `Function._nodes_by_depth` (`nodes_by_depth`): a functional graph's
+  nodes, which `split_model` cuts in topological order; Keras has no
+  public traversal.
+- `TFOptimizer._distribution_strategy` (`creation_strategy`): the strategy
+  an optimizer was created under and updates through: its default
+  aggregation, the replicas a windowed optimizer commits on, and a clear
+  error under another strategy.
+- `BaseOptimizer._trainable_variables` (`built_variables`): the variables
+  an optimizer was built for, whose centers a windowed optimizer keeps.
+- `BaseOptimizer._learning_rate` (`learning_rate_source`): the rate as
+  given (variable, `LearningRateSchedule` or callable); the public
+  `learning_rate` evaluates the latter two.
 - `BaseOptimizer._backend_apply_gradients`, `_clip_gradients`,
-  `_apply_weight_decay` and `_backend_update_step` as hooks:
-  `tf_agn.optimizers.Aggregating` overrides them, calling Keras' own
-  through `super()` or the functions above, to clip after the all-reduce,
-  route accumulated steps through tf_agn and communicate by itself.
+  `_apply_weight_decay` and `_backend_update_step` as hooks, which
+  `tf_agn.optimizers.Aggregating` overrides to clip after the all-reduce,
+  route accumulated steps and communicate by itself.
 """
 
 import contextlib
@@ -170,20 +154,18 @@ def replace_cross_device_ops(extended, ops):
 
 
 class _OrderedPerWorkerVariable(_tf_ps_values.PerWorkerVariable):
-    """A `PerWorkerVariable` whose handle is captured once per function.
-
-    TensorFlow 2.21 captures a per-worker variable's handle anew at every
-    use in a traced function, so automatic control dependencies see
-    unrelated resources and may reorder a read before an earlier write
-    (TensorFlow's own docstring lists this, b/286052052). One capture per
-    variable restores the ordering every other variable has.
-    """
+    """A `PerWorkerVariable` whose handle is captured once per function."""
 
     @property
     def handle(self):
         if tf.executing_eagerly():
             return self._coordinator_instance.handle
         self._maybe_create_per_worker_vars()
+        # TensorFlow 2.21 captures the handle anew at every use in a traced
+        # function, so automatic control dependencies see unrelated
+        # resources and may move a read before an earlier write (b/286052052,
+        # in TensorFlow's own docstring). One capture per variable, by key,
+        # restores the ordering every other variable has.
         closure, spec = self.handle_call_time_value()
         return _tf_framework_ops.get_default_graph().capture_call_time_value(
             closure, spec, key=("tf_agn_per_worker", id(self))
@@ -192,10 +174,6 @@ class _OrderedPerWorkerVariable(_tf_ps_values.PerWorkerVariable):
 
 def ordered_per_worker(variable):
     """Makes a `PerWorkerVariable` keep its program order in functions.
-
-    The strategy builds the variable; only how a function captures its
-    handle changes, so the class is swapped in place rather than the
-    variable rebuilt.
 
     Args:
         variable: a variable `ParameterServerStrategy` created with
@@ -212,6 +190,8 @@ def ordered_per_worker(variable):
             f"Expected TensorFlow's PerWorkerVariable, got {type(variable).__name__}: "
             "this TensorFlow changed per-worker variables. Use a tested version."
         )
+    # Only how a function captures the handle changes: swap the class in
+    # place rather than rebuild what the strategy built.
     variable.__class__ = _OrderedPerWorkerVariable
     # TensorFlow leaves it None for per-worker variables; Keras optimizers
     # key their state by it.

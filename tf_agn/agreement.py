@@ -1,21 +1,12 @@
 """Checking that every worker reduces with the same settings.
 
-Workers that reduce differently pack, scale, compress or window
-differently, and their collectives then never meet (a hang) or meet with
-wrong shapes (wrong numbers). Two checks catch this before the first
-collective that depends on them:
-
-- `check_agreement`, when `tf_agn.strategies.multi_worker_mirrored`
-  creates the strategy: the strategy's aggregation, packing, compression,
-  transport, devices and tf_agn release;
-- `check_optimizer_agreement`, when a tf_agn optimizer is built across
-  workers: its own aggregation method, compression,
-  accumulation or window, the shapes of the variables it trains, and
-  which of them it keeps no compressor state for (`sparse_gradients`).
-
-In each, every worker all-gathers a few integers that encode its settings,
-and every worker raises the same error, naming the setting and each
-worker's value, if they differ.
+Workers that pack, scale, compress or window differently make collectives
+that never meet (a hang) or meet with wrong shapes (wrong numbers).
+`check_agreement` (the strategy's settings, called by
+`tf_agn.strategies.multi_worker_mirrored`) and `check_optimizer_agreement`
+(a tf_agn optimizer's settings and variables, called when it is built)
+all-gather a few integers encoding them and raise the same error on every
+worker, naming the setting and each worker's value, if they differ.
 """
 
 import collections
@@ -53,6 +44,7 @@ def _version_text(code):
 
 
 def _compression_code(compressor):
+    """`compressor`'s name as an int, the same in every process."""
     name = compression.name_of(compressor)
     if name in _COMPRESSIONS:
         return _COMPRESSIONS.index(name)
@@ -88,6 +80,7 @@ def compression_settings(compressor):
 
 
 def _configuration(compressor):
+    """`compressor`'s config, or its class's path where it has none."""
     try:
         return compression.serialize(compressor)
     except TypeError:  # A user's compressor without `get_config`: its class.
@@ -191,10 +184,10 @@ def disagreement(settings, codes_per_worker, subject="strategy"):
 def _check(settings, ops, devices, timeout_seconds, subject):
     """All-gathers every worker's codes of `settings`; raises if they differ.
 
-    Every local replica of every worker takes part in one all-gather, so
-    the call returns only when all workers have made it.
+    Returns only when every worker has made the call.
     """
     devices = tuple(devices)
+    # One all-gather over every local replica of every worker.
     group = transports.collective_group(
         devices,
         group_size=len(devices) * ops.num_workers,
@@ -263,20 +256,10 @@ def check_agreement(ops, devices, timeout_seconds):
 def check_optimizer_agreement(optimizer, method, compressor, window, variables, sparse=None):
     """Raises on every worker unless all build `optimizer` alike.
 
-    tf_agn's optimizers call it first thing in `build`, before they create
-    any variable: `MultiWorkerMirroredStrategy` broadcasts each new
-    variable's initial value from the chief, so workers that create
-    different variables (int8's residuals on one, PowerSGD's Q on another)
-    would otherwise fail in a broadcast with TensorFlow's "tasks are
-    unhealthy", or hang. It runs eagerly even when Keras builds the
-    optimizer while tracing the train step: instance keys are drawn when a
-    collective runs, so the keys of the check and of the step stay matched
-    on every worker. Under a strategy without tf_agn's ops, or on one
-    worker, it does nothing.
-
-    It waits as long as the strategy's collectives do (`timeout_seconds`
-    of its `AggregatingAllReduce`: by default, for ever), as the variable
-    broadcasts after it would.
+    Call it in `build`, before creating any variable. Under a strategy
+    without tf_agn's ops, or on one worker, it does nothing; otherwise it
+    waits as long as the strategy's collectives do (`timeout_seconds` of
+    its `AggregatingAllReduce`: by default, for ever).
 
     Args:
         optimizer: the tf_agn optimizer being built.
@@ -289,10 +272,18 @@ def check_optimizer_agreement(optimizer, method, compressor, window, variables, 
         TimeoutError: if some worker does not take part within the ops'
             `timeout_seconds`.
     """
+    # Before any variable: `MultiWorkerMirroredStrategy` broadcasts each new
+    # variable's initial value from the chief, so workers that create
+    # different variables (int8's residuals on one, PowerSGD's Q on another)
+    # would fail in a broadcast ("tasks are unhealthy") or hang. The
+    # timeout is the collectives', as the broadcasts after it would wait.
     strategy = _compat.creation_strategy(optimizer)
     ops = tf_agn_ops(strategy)
     if ops is None or ops.num_workers == 1:
         return
+    # Eagerly, even when Keras builds the optimizer while tracing the train
+    # step: instance keys are drawn when a collective runs, so the keys of
+    # the check and of the step stay matched on every worker.
     with tf.init_scope():
         _check(
             optimizer_settings(method, compressor, window, variables, sparse),

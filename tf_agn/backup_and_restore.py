@@ -19,32 +19,25 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     A drop-in for `keras.callbacks.BackupAndRestore` that also works when
     several workers (`tf_agn.strategies.multi_worker_mirrored`) share one
-    backup directory, and that restores what Keras's cannot:
+    backup directory, and that also restores:
 
-    - **Every replica's own state**: its copy of the model's variables, of
-      all of `model.optimizer.variables` and of the metrics, which differ
-      between replicas with `AGN` and the other windowed optimizers
-      mid-window, or with aggregation NONE.
-    - **The step within the epoch**, with an int `save_freq`: `fit`
-      resumes at the saved epoch (as with Keras's callback) and skips,
-      without training, the batches it already trained, so at most
-      `save_freq` steps are redone. Skipped batches still reach other
-      callbacks' `on_train_batch_*` hooks, with empty logs; the epoch's
-      logs cover all its batches.
+    - every replica's own copy of the model's, optimizer's and metrics'
+      variables, which differ between replicas with windowed optimizers
+      mid-window or aggregation NONE;
+    - the step within the epoch, with an int `save_freq`: `fit` resumes at
+      the saved epoch and skips, without training, the batches already
+      trained (other callbacks' `on_train_batch_*` hooks still see them,
+      with empty logs), so at most `save_freq` steps are redone.
 
-    Each task (worker or chief) writes only its own files, and the chief
-    (worker 0, or the "chief" task) publishes a backup once every task's
-    file is complete: whenever a process dies, the latest backup is whole.
-
-    A resumed run equals an uninterrupted one when every epoch feeds the
-    same batches in the same order (`shuffle=False`, or a dataset with a
-    fixed seed that does not reshuffle per epoch) and the model, optimizer
-    and `fit` arguments are the same. Communication counters
-    (`communication_stats`) restart from zero. Restarting is the job of a
-    supervisor: `python -m tf_agn.strategies.launch --multi_worker N
+    The latest backup is whole whenever a process dies. A resumed run
+    equals an uninterrupted one when every epoch feeds the same batches in
+    the same order (`shuffle=False`, or a dataset with a fixed seed that
+    does not reshuffle per epoch) and the model, optimizer and `fit`
+    arguments are the same; `communication_stats` restart from zero.
+    Restarting is a supervisor's job, on the cluster shape the backup was
+    taken on: `python -m tf_agn.strategies.launch --multi_worker N
     --max_restarts K` on one machine, systemd or Kubernetes on several
-    (every worker reading the same directory on a shared filesystem), on
-    the cluster shape the backup was taken on.
+    (the directory on a shared filesystem).
 
     Example:
 
@@ -188,6 +181,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         arrays = local_copies(strategy, self._state_variables(), "state")
         arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
         failure = None
+        # Each task writes only its own file; the chief publishes the backup
+        # once every task's file is complete.
         try:
             self._files.write_state(checkpoint, arrays)
         except OSError as error:  # still join the barrier, or peers hang

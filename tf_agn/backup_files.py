@@ -165,9 +165,9 @@ class BackupFiles:
 
 
 def _write_atomically(path, write):
-    """Writes `path` so that it holds either its old content or all of the
-    new, whenever the process dies: `write(file)` fills `path + ".tmp"`,
-    which is flushed to disk and renamed over `path`."""
+    """Writes `path` with `write(file)` so that it holds either its old
+    content or all of the new, whenever the process dies."""
+    # Filled as `path + ".tmp"`, flushed to disk, then renamed over `path`.
     temporary = path + ".tmp"
     with open(temporary, "wb") as f:
         write(f)

@@ -16,15 +16,11 @@ def _unwrap(optimizer, cls):
 class EvaluateAtCenter(keras.callbacks.Callback):
     """Evaluates and predicts with the center weights, not replica copies.
 
-    For every windowed optimizer (`AGN`, `DOWNPOUR`, `DynSGD`, `AEASGD`,
-    `EAMSGD`, or your own `WindowedOptimizer`).
-
-    Mid-window, every replica's copy of the weights holds its own local
-    exploration. This callback swaps the center θ_c into the model before
-    evaluation (also `fit`'s validation) and prediction, and swaps the
-    replicas' copies back afterwards, exactly, so training goes on as if
-    nothing happened. It plays the role Keras' `SwapEMAWeights` plays for
-    EMA weights.
+    For any `tf_agn.optimizers.WindowedOptimizer` (`AGN`, `DOWNPOUR`, ...),
+    whose replicas explore on their own mid-window: the center θ_c is
+    swapped into the model for evaluation (also `fit`'s validation) and
+    prediction, and the replicas' copies are swapped back exactly after, as
+    Keras' `SwapEMAWeights` does for EMA weights.
 
     Example:
 
@@ -62,6 +58,16 @@ class CommunicationLogger(keras.callbacks.Callback):
 
     Put it before `TensorBoard`, `CSVLogger` or `History` readers in the
     callback list, so that they see the two numbers.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=2, callbacks=[tf_agn.callbacks.CommunicationLogger()])
+    ```
+
+    Raises:
+        ValueError: at an epoch's end, if the model's optimizer is not (and
+            does not wrap) a tf_agn optimizer.
     """
 
     def on_epoch_end(self, epoch, logs=None):

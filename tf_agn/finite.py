@@ -1,10 +1,6 @@
-"""`all_finite`: whether a step's values hold no inf or NaN.
-
-Every place that skips a step, keeps an old state or rejects a commit
-because something overflowed asks this one question: loss scaling's
-agreement across replicas, gradient accumulation's window, error
-feedback's guard, and a parameter server's commits.
-"""
+"""`all_finite`: whether a step's values hold no inf or NaN, the one test
+of loss scaling, gradient accumulation, error feedback and a parameter
+server's commits."""
 
 import tensorflow as tf
 

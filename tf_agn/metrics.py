@@ -7,13 +7,14 @@ def temporal_efficiency(history_a, history_b, metric="accuracy"):
     """E(a, b) = ∫₀^m f_a(t) dt / ∫₀^m f_b(t) dt (Hermans et al., 2017).
 
     f is a run's metric (training accuracy in the AGN paper) over
-    wall-clock time, and m is the shorter run's duration, so both runs are
-    judged over the same time. E > 1 favours run a: it was better on
-    average over that time, not just at its end.
+    wall-clock time, linear between samples and held at its first sample
+    before it, and m is the shorter run's duration. E > 1 favours run a: it
+    was better on average over that time, not just at its end.
 
-    Each f is the piecewise-linear curve through its samples, held at its
-    first sample before it (runs are sampled after their first update) and
-    integrated exactly (trapezoids between samples).
+    Example:
+
+    >>> temporal_efficiency(([1, 2], [0.5, 1.0]), ([1, 2], [0.25, 0.5]))
+    2.0
 
     Args:
         history_a: run a: a `(times, values)` pair of sequences, or a
@@ -43,6 +44,7 @@ def temporal_efficiency(history_a, history_b, metric="accuracy"):
 
 
 def _curve(history, metric, name):
+    """Run `name`'s `(times, values)` as float64 arrays, checked."""
     if hasattr(history, "history"):  # a keras.callbacks.History
         history = history.history
     if isinstance(history, dict):
@@ -72,6 +74,8 @@ def _curve(history, metric, name):
 
 def _integral(times, values, end):
     """∫₀^end of the curve through (times, values), held before times[0]."""
+    # Held before the first sample, since runs are sampled after their first
+    # update; integrated exactly, by trapezoids between samples.
     inside = times < end
     grid = np.concatenate([[0.0], times[inside], [end]])
     curve = np.interp(grid, times, values)  # np.interp holds the ends

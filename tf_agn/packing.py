@@ -1,12 +1,8 @@
 """Grouping many tensors into a few packs, and the compiled combine.
 
-Reducing 200 small gradient tensors one by one pays a fixed cost 200 times.
-Packing groups them, per dtype, into packs of at most `bytes_per_pack`
-bytes, and one compiled call reduces each pack. Where a pack has to travel
-between devices with their own memory (GPUs), each replica first flattens it
-into one buffer, so it moves as one transfer. Devices that share host memory
-(logical CPUs) read the tensors in place: copying them into a buffer would
-only add a pass over memory.
+`plan_packs` and `split_packs` group tensors, per dtype, into packs of at
+most `bytes_per_pack` bytes; `flatten` and `unflatten` turn a pack into one
+buffer and back; `combine_fn` reduces a pack in one compiled call.
 """
 
 import functools
@@ -20,12 +16,14 @@ from tf_agn import devices as devices_lib
 # function runs as an ordinary graph function.
 XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
 
-# Packs of a few MiB are large enough that the fixed cost of a call is
-# small next to its work, and small enough that TensorFlow runs several at
-# once (XLA also splits one large loop across threads). On CPU they also
-# keep each call's outputs small: a call that allocates and then frees
-# tens of MiB at once has malloc hand the pages back to the OS and fault
-# them in again on the next step, which costs more than the sum itself.
+# Reducing 200 small gradient tensors one by one pays a call's fixed cost
+# 200 times; a pack pays it once. Packs of a few MiB are large enough that
+# the fixed cost of a call is small next to its work, and small enough that
+# TensorFlow runs several at once (XLA also splits one large loop across
+# threads). On CPU they also keep each call's outputs small: a call that
+# allocates and then frees tens of MiB at once has malloc hand the pages
+# back to the OS and fault them in again on the next step, which costs more
+# than the sum itself.
 DEFAULT_BYTES_PER_PACK = 4 * 2**20
 
 # Below this mean tensor size, the local transport flattens a pack even
@@ -95,14 +93,12 @@ def _combine(per_replica_tensors, scale, output_dtype, compressor=None):
     """Returns `scale * sum_r per_replica_tensors[r]`, tensor by tensor.
 
     Sums are taken in `accumulation_dtype(output_dtype)` and cast to
-    `output_dtype`. XLA fuses the decompression or casts, the sum and the
-    scaling into one pass over each tensor.
+    `output_dtype`.
 
     Args:
         per_replica_tensors: one list of tensors per replica, all lists
             alike in length and shapes.
-        scale: a Python number. It is a constant of the traced function, so
-            a scale of 1 costs nothing even without XLA.
+        scale: a Python number.
         output_dtype: the dtype of the results.
         compressor: the `tf_agn.compression.Compressor` that compressed the
             tensors, or None if they travelled as they are.
@@ -110,12 +106,16 @@ def _combine(per_replica_tensors, scale, output_dtype, compressor=None):
     Returns:
         A list of tensors, one per position in the replicas' lists.
     """
+    # XLA fuses the decompression or casts, the sum and the scaling into one
+    # pass over each tensor.
     dtype = accumulation_dtype(output_dtype)
     combined = []
     for i in range(len(per_replica_tensors[0])):
         total = tf.add_n(
             [_restore(t[i], dtype, compressor) for t in per_replica_tensors]
         )
+        # `scale` is a constant of the traced function: a scale of 1 costs
+        # nothing, even without XLA.
         if scale != 1:
             total = total * tf.constant(scale, dtype)
         combined.append(tf.cast(total, output_dtype))
@@ -130,15 +130,13 @@ def _restore(tensor, dtype, compressor):
 
 
 def _flatten(tensors, scale=1, compressor=None):
-    """Concatenates `scale * tensors`, compressed, into one flat buffer.
-
-    The scaling happens in `accumulation_dtype` before compression, so that
-    a MEAN's 1/n shrinks float32 values before they are compressed to
-    float16 rather than after they may have overflowed.
-    """
+    """Concatenates `scale * tensors`, compressed, into one flat buffer."""
     pieces = []
     for tensor in tensors:
         dtype = tensor.dtype
+        # Scaled in `accumulation_dtype` before compression, so that a MEAN's
+        # 1/n shrinks float32 values before they are compressed to float16,
+        # not after they may have overflowed.
         if scale != 1:
             wide = accumulation_dtype(dtype)
             tensor = tf.cast(tensor, wide) * tf.constant(scale, wide)
@@ -155,8 +153,8 @@ def _unflatten(flat, shapes, dtype, compressor=None):
 
     Args:
         flat: a 1-D tensor.
-        shapes: one shape per tensor: Python tuples (static, which XLA
-            needs) or shape tensors.
+        shapes: one shape per tensor: Python tuples (static, as XLA needs)
+            or shape tensors.
         dtype: the dtype of the results.
         compressor: the `tf_agn.compression.Compressor` that made `flat`,
             or None.
@@ -174,12 +172,12 @@ def _unflatten(flat, shapes, dtype, compressor=None):
     ]
 
 
+# A pack that travels between devices with their own memory (GPUs) is
+# flattened first, to move as one transfer. Devices that share host memory
+# (logical CPUs) read the tensors in place, as a copy into a buffer would
+# only add a pass over memory (but see SMALL_TENSOR_BYTES).
 def flatten(tensors, scale=1, compressor=None, jit_compile=False):
     """`scale * tensors`, compressed, as one flat buffer.
-
-    With a scale or a compression to fuse, this is one call of
-    `flatten_fn`; a bare concatenation runs as TensorFlow's own op, and a
-    single tensor is only reshaped, which copies nothing.
 
     Args:
         tensors: the tensors of one pack, on one device.
@@ -191,6 +189,9 @@ def flatten(tensors, scale=1, compressor=None, jit_compile=False):
     Returns:
         A 1-D tensor.
     """
+    # Only a scale or a compression needs `flatten_fn`, which fuses them; a
+    # bare concatenation is TensorFlow's own op, and a single tensor is only
+    # reshaped, which copies nothing.
     if scale == 1 and compressor is None:
         pieces = [tf.reshape(t, [-1]) for t in tensors]
         return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
@@ -200,11 +201,6 @@ def flatten(tensors, scale=1, compressor=None, jit_compile=False):
 def unflatten(flat, like, compressor=None, jit_compile=False):
     """Splits a flat buffer back into tensors shaped like `like`, of
     `like`'s dtype.
-
-    With a decompression to fuse and every shape known while tracing, this
-    is one call of `unflatten_fn` (XLA needs the split sizes as constants).
-    Otherwise it runs as TensorFlow's own split, which on CPU hands out
-    pieces of the buffer without copying them.
 
     Args:
         flat: a 1-D tensor.
@@ -218,6 +214,9 @@ def unflatten(flat, like, compressor=None, jit_compile=False):
     """
     dtype = like[0].dtype
     static = all(t.shape.is_fully_defined() for t in like)
+    # `unflatten_fn` fuses the decompression, but XLA needs the split sizes
+    # as constants. Otherwise TensorFlow's own split, which on CPU hands out
+    # pieces of the buffer without copying them.
     if compressor is not None and static:
         shapes = tuple(tuple(t.shape.as_list()) for t in like)
         return unflatten_fn(jit_compile)(flat, shapes, dtype, compressor)

@@ -6,8 +6,9 @@ import keras
 def replica_weights(model_or_variables):
     """Returns every replica's copy of the weights, as numpy arrays.
 
-    Under MirroredStrategy each weight has one copy per device. They are
-    equal unless an optimizer with aggregation NONE let them drift apart.
+    Under MirroredStrategy each weight has one copy per device, equal
+    unless local steps (aggregation NONE, a windowed optimizer mid-window)
+    let them drift apart.
 
     Args:
         model_or_variables: a Keras model (its `weights` are read) or a list
@@ -16,6 +17,12 @@ def replica_weights(model_or_variables):
     Returns:
         A list with one entry per replica, each a list of numpy arrays in
         the order of the variables.
+
+    Example:
+
+    ```python
+    copies = tf_agn.replica_weights(model)  # copies[r][i]: replica r's weight i
+    ```
     """
     variables = getattr(model_or_variables, "weights", model_or_variables)
     per_variable = []

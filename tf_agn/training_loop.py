@@ -1,22 +1,17 @@
-"""`run_epochs`: Keras' `fit` plumbing for the loops Keras' `fit` cannot run.
-
-Two of tf_agn's trainers cannot hand their steps to `keras.Model.fit`:
-
-- parameter-server training (`tf_agn.strategies.fit`): Keras 3's `fit` does
-  not run under `ParameterServerStrategy`, and a step there is a window
-  scheduled on a `ClusterCoordinator`, fetched later;
-- ADL (`tf_agn.decoupled.DecoupledModel.fit`): a tick is not one batch (the
-  pipeline fills and drains around every epoch), and the stages are K
-  models with K optimizers, not one `keras.Model`.
-
-Both get the same user-visible behaviour from this one skeleton:
-callbacks, a progress bar, the `History`, validation logs with a `val_`
-prefix and early stopping through `model.stop_training`.
+"""`run_epochs`: `fit`'s epoch loop, with Keras callbacks, a progress bar,
+the `History`, `val_` logs and early stopping, for tf_agn's trainers that
+cannot use `keras.Model.fit` (`tf_agn.strategies.fit` and
+`tf_agn.decoupled.DecoupledModel.fit`).
 """
 
 import keras
 
 
+# Keras 3's `fit` cannot run either trainer: it does not run under
+# `ParameterServerStrategy`, where a step is a window scheduled on a
+# `ClusterCoordinator` and fetched later; and an ADL tick is not one batch
+# (the pipeline fills and drains around every epoch) and its stages are K
+# models with K optimizers, not one `keras.Model`.
 def run_epochs(
     model,
     epochs,

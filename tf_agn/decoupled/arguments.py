@@ -1,9 +1,5 @@
-"""Checks of `DecoupledModel`'s arguments, and what it keeps of them.
-
-The stages become Keras models, the devices full logical device names, and
-`accumulation_steps` and `reduction` are checked, each with an error that
-says what is allowed.
-"""
+"""Checks of `DecoupledModel`'s arguments, and what it keeps of them: the
+stages as Keras models, the devices as full logical device names."""
 
 import keras
 import tensorflow as tf
@@ -80,6 +76,7 @@ def resolve_devices(devices, num_stages):
 
 
 def _as_model(stage, index):
+    """Stage `index` as a Keras model."""
     if isinstance(stage, keras.Model):
         return stage
     if isinstance(stage, keras.layers.Layer):

@@ -1,11 +1,9 @@
 """`Schedule`: when each stage forwards and backpropagates each batch.
 
 Training runs in ticks. Batch b enters the pipeline at tick b; stage k
-forwards it at tick b + f_k and backpropagates it D_k ticks later, at tick
-b + f_k + D_k. Every stage reads its weights once per tick, for both its
-forward and its backward, and steps its optimizer at the end of the tick.
-So, without accumulation, D_k optimizer steps of stage k fall between a
-batch's forward and its backward there: its staleness is D_k.
+forwards it at tick b + f_k and backpropagates it D_k ticks later. Every
+stage steps its optimizer at the end of a tick, so without accumulation a
+batch's gradient at stage k is D_k steps stale.
 
 | schedule | forward lag f_k | delay D_k     | within a tick              |
 |----------|-----------------|---------------|----------------------------|
@@ -13,10 +11,9 @@ batch's forward and its backward there: its staleness is D_k.
 | `"ddg"`  | 0               | K − 1 − k     | one chained forward        |
 | `"bp"`   | 0               | 0             | chained forward, backward  |
 
-Under ADL an activation moves one stage forward per tick and an input
-gradient one stage back, so stage k's gradient for batch b arrives from
-stage k + 1 at tick b + f_k + D_k − 1 and is used one tick later; the last
-stage (D = 0) forwards, takes the loss and backpropagates in one tick.
+Under ADL activations move one stage forward and input gradients one
+stage back per tick; the last stage forwards, takes the loss and
+backpropagates in one tick.
 """
 
 import collections
@@ -33,6 +30,12 @@ class Schedule:
 
     Raises:
         ValueError: if `name` is not one of `SCHEDULES`.
+
+    Example:
+
+    >>> schedule = Schedule("adl", 3)
+    >>> schedule.forward_lags, schedule.delays
+    ([0, 1, 2], [4, 2, 0])
     """
 
     def __init__(self, name, num_stages):
@@ -45,6 +48,10 @@ class Schedule:
         self.name = key
         self.num_stages = num_stages
         last = num_stages - 1
+        # Every stage reads its weights once per tick, for its forward and its
+        # backward. Under ADL stage k's gradient for batch b arrives from
+        # stage k + 1 at tick b + f_k + D_k − 1 and is used one tick later:
+        # two ticks of delay per later stage.
         if key == "adl":
             self.forward_lags = list(range(num_stages))
             self.delays = [2 * (last - k) for k in range(num_stages)]
@@ -78,14 +85,8 @@ class Schedule:
         return _batches_at(tick, self.backward_lags, num_batches)
 
     def staleness(self, accumulation_steps, num_batches=None):
-        """The staleness the schedule predicts, per stage.
-
-        Stage k steps its optimizer after its backward passes number M, 2M,
-        ... (M = `accumulation_steps`), that is after it backpropagates
-        batches M − 1, 2M − 1, ... Batch b's staleness there counts those
-        steps during the D_k ticks from its forward to its backward: the
-        batches b' in [b − D_k, b − 1] with (b' + 1) % M == 0. In steady
-        state that is floor(D_k / M) or ceil(D_k / M), D_k / M on average.
+        """The staleness the schedule predicts, per stage: in steady state
+        floor(D_k / M) or ceil(D_k / M), D_k / M on average.
 
         Args:
             accumulation_steps: M, backward passes per optimizer step.
@@ -97,6 +98,10 @@ class Schedule:
             Per stage, a `collections.Counter` {staleness: number of
             batches}.
         """
+        # Stage k steps after backpropagating batches M − 1, 2M − 1, ...;
+        # batch b's staleness counts those steps in the D_k ticks from its
+        # forward to its backward: the b' in [b − D_k, b − 1] with
+        # (b' + 1) % M == 0.
         steps = accumulation_steps
         first = 0 if num_batches is not None else 10 * steps * max(self.delays)
         batches = range(first, first + (num_batches or steps))
@@ -110,4 +115,5 @@ class Schedule:
 
 
 def _batches_at(tick, lags, num_batches):
+    """The batch at `tick` for each of `lags`; -1 where none."""
     return [tick - lag if 0 <= tick - lag < num_batches else -1 for lag in lags]

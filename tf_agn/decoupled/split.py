@@ -14,19 +14,13 @@ BALANCES = ("params", "flops")
 def split_model(model, num_stages=None, *, cut_after=None, balance="params"):
     """Cuts a Sequential or functional Keras model into consecutive stages.
 
-    A cut must cross the graph at a single tensor: everything before it
-    reaches everything after it through that one tensor, which is what one
-    stage hands the next. Inside a residual block two tensors cross (the
-    skip connection and the branch), so no cut is allowed there.
-
-    Without `cut_after`, the cuts are chosen among all single-tensor
-    boundaries so that the largest stage is as small as possible, by
-    parameter count or by estimated FLOPs per example (a layer with weights
-    costs 2 x its parameters x its output's spatial positions, as a dense or
-    convolution layer does; every layer also costs one per output element).
-
-    The stages share the model's layers, hence its weights. Composed, they
-    must reproduce the model's output on a random batch, or this raises.
+    A cut must cross the graph at a single tensor, which one stage hands
+    the next: not inside a residual block, where the skip connection and
+    the branch both cross. Without `cut_after`, the cuts are chosen so that
+    the largest stage is as small as possible, by parameter count or by
+    estimated FLOPs per example. The stages share the model's layers, hence
+    its weights; composed, they must reproduce the model's output on a
+    random batch, or this raises.
 
     Example:
 
@@ -148,6 +142,7 @@ def _single_tensor_boundaries(nodes, inputs):
 
 
 def _check_num_stages(num_stages, num_layers, model):
+    """Raises unless `num_stages` is an int from 1 to `num_layers`."""
     if (
         isinstance(num_stages, bool)
         or not isinstance(num_stages, int)
@@ -160,6 +155,8 @@ def _check_num_stages(num_stages, num_layers, model):
 
 
 def _named_cuts(nodes, boundaries, names):
+    """The node indices of the layers `names`, checked to be boundaries, in
+    order."""
     index = {node.operation.name: i for i, node in enumerate(nodes)}
     allowed = [nodes[i].operation.name for i in boundaries]
     cuts = []
@@ -185,21 +182,21 @@ def _named_cuts(nodes, boundaries, names):
 
 
 def _cost(node, balance):
+    """A node's parameter count, or its estimated FLOPs per example."""
     params = node.operation.count_params() if node.operation.weights else 0
     if balance == "params":
         return params
+    # FLOPs: a layer with weights costs 2 x its parameters x its output's
+    # spatial positions, as a dense or convolution layer does; every layer
+    # also costs one per output element.
     shape = node.output_tensors[0].shape[1:]
     positions = math.prod(d or 1 for d in shape[:-1])
     return 2 * params * positions + math.prod(d or 1 for d in shape)
 
 
 def _balanced_cuts(costs, boundaries, num_stages):
-    """The cuts, among `boundaries`, minimizing the largest stage's cost.
-
-    Among cuts with the same largest stage, the most even ones win (the
-    least sum of squared stage costs), so no stage is left nearly empty
-    while another could take some of its neighbour's layers.
-    """
+    """The cuts, among `boundaries`, minimizing the largest stage's cost,
+    then the sum of squared stage costs."""
     prefix = np.concatenate([[0], np.cumsum(costs, dtype=np.float64)])
     ends = boundaries + [len(costs) - 1]  # a stage ends after one of these
 
@@ -208,7 +205,9 @@ def _balanced_cuts(costs, boundaries, num_stages):
 
     # plans[j]: (largest cost, sum of squared costs, cuts) of the best split
     # of nodes up to ends[j] into the stages so far. Dynamic programming:
-    # at most K x (cut points)^2 steps.
+    # at most K x (cut points)^2 steps. The squares break ties towards the
+    # most even cuts, so no stage is left nearly empty while another could
+    # take some of its neighbour's layers.
     plans = {
         j: (cost, cost**2, [])
         for j, cost in enumerate(stage_cost(-1, end) for end in ends)
@@ -232,6 +231,8 @@ def _balanced_cuts(costs, boundaries, num_stages):
 
 
 def _check_round_trip(model, stages):
+    """Raises unless the composed `stages` reproduce `model` on a random
+    batch."""
     shape = [2] + [d or 2 for d in model.inputs[0].shape[1:]]
     x = np.random.default_rng(0).uniform(size=shape).astype("float32")
     expected = keras.ops.convert_to_numpy(model(x, training=False))

@@ -1,36 +1,19 @@
 """Gradient accumulation on every replica: k micro-steps, one exchange.
 
-Keras' own `gradient_accumulation_steps=k` sums gradients into
-accumulators and applies their mean every k-th step. Under a
-`tf.distribute` strategy it fails (keras-team/keras#20582): it all-reduces
-every micro-step and updates the accumulators through `merge_call` inside a
-`tf.cond`, which tf.distribute does not allow. tf_agn's optimizers instead,
-in replica context:
+With `gradient_accumulation_steps=k`, a tf_agn optimizer adds each
+micro-step's gradient to this replica's accumulators, sending nothing, and
+on the k-th combines the window across replicas once (1/k of the bytes) and
+applies it; a window that is not finite is skipped. The window is the mean
+of the k micro-steps (`accumulation_reduction="mean"`, the default: with
+MEAN, one step on a k times larger batch) or their sum ("sum": divide the
+learning rate by k for the same step size).
 
-1. add each micro-step's gradient to this replica's accumulators, sending
-   nothing;
-2. on the k-th micro-step, normalize the window (mean over the k
-   micro-steps by default, or their sum) and combine it across replicas
-   once, with the optimizer's aggregation method: 1/k of the bytes;
-3. if the combined gradient is finite, clip it, apply weight decay and
-   update the weights, once; if it is not (some replica's gradient was not
-   finite in some micro-step), skip the whole window. Under mixed
-   precision, Keras' `LossScaleOptimizer` drops such a micro-step on every
-   replica before it reaches the accumulators (see
-   `tf_agn.optimizers.loss_scaling`);
-4. reset the accumulators.
-
-With MEAN and the default `accumulation_reduction="mean"` the applied step
-equals one step on a k times larger batch. With "sum" the gradient is k
-times larger, as if the loss summed rather than averaged over the k
-micro-batches: divide the learning rate by k for the same step size.
-
-The accumulators are replica-local (`synchronization="on_read"`): each
-replica sums its own micro-batches. Read across replicas, as when a model
-is saved, they give the mean over replicas (replica 0's under
-ONLY_FIRST_REPLICA and NONE), which is all the combined window depends
-on, so training resumed from a `.keras` file mid-window applies the same
-step as uninterrupted training would.
+```python
+model.compile(
+    optimizer=tf_agn.optimizers.Adam(gradient_accumulation_steps=4),
+    loss="mse",
+)
+```
 """
 
 import keras
@@ -88,22 +71,25 @@ def check_accumulation_reduction(reduction):
 def add_accumulator(optimizer, reference_variable, method):
     """A replica-local, zero-initialized accumulator for `reference_variable`.
 
-    Named as Keras names its own, so an optimizer's variables line up with
-    those of Keras' optimizer of the same class.
-
     Args:
         optimizer: the Keras optimizer that owns it.
         reference_variable: the model variable it accumulates for.
-        method: the optimizer's `AggregationMethod`: what a cross-replica
-            read gives (see the module docstring).
+        method: the optimizer's `AggregationMethod`.
 
     Returns:
         A `keras.Variable`.
     """
+    # Each replica sums its own micro-batches (`on_read`). Read across
+    # replicas, as when a model is saved, they give the mean (replica 0's
+    # under ONLY_FIRST_REPLICA and NONE), which is all the combined window
+    # depends on: training resumed from a `.keras` file mid-window applies
+    # the same step as uninterrupted training.
     if method in (AggregationMethod.SUM, AggregationMethod.MEAN):
         aggregation = "mean"
     else:
         aggregation = "only_first_replica"
+    # Named as Keras names its own, so that the optimizer's variables line
+    # up with those of Keras' optimizer of the same class.
     name = _compat.reference_variable_name(
         reference_variable, _compat.KERAS_ACCUMULATOR_NAME
     )
@@ -132,6 +118,10 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         apply_window: `apply_window(grads, variables)` clips, decays and
             updates with the combined window gradient, locally.
     """
+    # Keras' own accumulation fails under a strategy (keras-team/keras#20582):
+    # it all-reduces every micro-step and updates the accumulators through
+    # `merge_call` inside a `tf.cond`, which tf.distribute does not allow.
+    # Here everything runs in replica context and only the window travels.
     steps = optimizer.gradient_accumulation_steps
     is_last = tf.equal((_compat.micro_step(optimizer) + 1) % steps, 0)
     accumulators = [_compat.accumulator_of(optimizer, v) for v in variables]
@@ -139,6 +129,7 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
     ]
     scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
+    # Sends only on the k-th micro-step (`when`).
     combined = aggregate(
         window,
         optimizer.resolved_aggregation,
@@ -149,6 +140,10 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
     )
 
     def apply():
+        # Not finite: some replica's gradient overflowed in some micro-step;
+        # skip the whole window. (Under mixed precision Keras'
+        # LossScaleOptimizer already drops such a micro-step on every
+        # replica, see `tf_agn.optimizers.loss_scaling`.)
         finite = all_finite(combined)
         tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
         for accumulator in accumulators:

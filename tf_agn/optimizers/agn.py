@@ -10,34 +10,17 @@ from tf_agn.optimizers.windowed import WindowedOptimizer
 class AGN(WindowedOptimizer):
     """Accumulated Gradient Normalization (Hermans et al., 2017).
 
-    Every worker or replica explores on its own for a window of
-    `local_steps` = λ steps from the center θ_c it pulled, then commits its
-    accumulated change normalized by the window, Δ = (θ − θ_c) / λ: the
-    average of its λ steps, so that a commit weighs like one well-informed
-    step whatever λ is. The server adds it, θ_c ← θ_c + Δ, with no learning
-    rate and no staleness term; the normalization is what keeps stale
-    commits from many asynchronous workers from overshooting (DOWNPOUR
-    commits θ − θ_c and diverges as workers are added).
+    Every replica or worker takes `local_steps` = λ steps from the center
+    θ_c it pulled, then commits its change averaged over the window,
+    Δ = (θ − θ_c) / λ, which the server adds: θ_c ← θ_c + Δ.
 
-    Synchronously (`MirroredStrategy`), the replicas' Δ_r are combined with
-    `aggregation_method` (MEAN by default) in one packed reduction per window and
-    an outer optimizer applies the result; with outer Nesterov momentum this
-    is DiLoCo (Douillard et al., 2023). With λ = 1, an SGD(η) inner
-    optimizer, the default outer optimizer and MEAN, it is exactly
-    synchronous SGD(η). Asynchronously (`tf_agn.strategies.fit` under
-    `ParameterServerStrategy`) each commit is applied as it arrives.
-
-    Staleness scaling (`staleness_scaling=True`, ours, not the paper's):
-    with n asynchronous workers a commit is about τ = n − 1 commits stale,
-    and a round of n commits moves the center by about n normalized steps,
-    all computed from centers up to n − 1 commits old. Once n exceeds λ
-    that overshoots: on MNIST with Adam(1e-3), AGN at n = 20, λ = 10
-    oscillates and ends at 0.39 test accuracy (benchmarks/README.md), where
-    n = 10 reaches 0.93 and staleness-scaled AGN 0.91.
-    Scaling each commit by min(1, λ / (τ + 1)) caps a round's movement at
-    about λ steps, which is the paper's advice to grow λ with n (λ ≈
-    (n + layers) / 2) applied by the server, without retuning λ. Commits
-    less than λ stale, and every synchronous commit, are unchanged.
+    Synchronously (`MirroredStrategy`) the replicas' Δ_r are combined with
+    `aggregation_method` once per window and `outer_optimizer` applies the
+    result; with outer Nesterov momentum this is DiLoCo (Douillard et al.,
+    2023), and with λ = 1, an SGD(η) inner optimizer, the default outer
+    optimizer and MEAN, synchronous SGD(η). Asynchronously
+    (`tf_agn.strategies.fit` under `ParameterServerStrategy`) each commit
+    is applied as it arrives.
 
     Example:
 
@@ -64,7 +47,8 @@ class AGN(WindowedOptimizer):
         reset_inner_state: whether the inner optimizer's state is cleared at
             every commit.
         staleness_scaling: whether the server scales a commit τ commits
-            stale by min(1, λ / (τ + 1)); default False, the paper's AGN.
+            stale by min(1, λ / (τ + 1)), which helps when asynchronous
+            workers outnumber λ; default False, the paper's AGN.
         name: the optimizer's name.
         compression: how each commit's Δ travels, synchronously and to a
             parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
@@ -103,6 +87,10 @@ class AGN(WindowedOptimizer):
 
     def commit_delta(self, local, reference):
         """Δ = (θ − θ_ref) / λ, or θ − θ_ref with `normalize=False`."""
+        # Dividing by λ makes a commit weigh like one well-informed step
+        # whatever λ is, which keeps stale commits from many asynchronous
+        # workers from overshooting (DOWNPOUR's undivided commit diverges as
+        # workers are added).
         delta = super().commit_delta(local, reference)
         if not self.normalize:
             return delta
@@ -112,6 +100,15 @@ class AGN(WindowedOptimizer):
         """1, or min(1, λ / (staleness + 1)) with `staleness_scaling`."""
         if not self.staleness_scaling:
             return super().commit_scale(staleness)
+        # Ours, not the paper's. With n asynchronous workers a commit is about
+        # τ = n − 1 commits stale, and a round of n commits moves the center
+        # by about n normalized steps, computed from centers up to n − 1
+        # commits old: once n exceeds λ that overshoots (MNIST, Adam(1e-3),
+        # n = 20, λ = 10: 0.39 test accuracy, where n = 10 reaches 0.93 and
+        # staleness-scaled AGN 0.91; benchmarks/README.md). The factor caps
+        # a round's movement at about λ steps: the paper's advice to grow λ
+        # with n (λ ≈ (n + layers) / 2), applied by the server. Commits less
+        # than λ stale, and every synchronous commit, are unchanged.
         return ops.minimum(
             1.0,
             ops.divide(

@@ -7,11 +7,10 @@ from keras import ops
 class CommitRules:
     """The update rules of a windowed optimizer, DOWNPOUR's by default.
 
-    Each is pure and works on one tensor at a time, so that every executor
-    runs the same math: synchronous commits in
-    `tf_agn.optimizers.WindowedOptimizer`, asynchronous ones in
-    `tf_agn.strategies.fit` and `tf_agn.strategies.simulate`. AGN and its
-    baselines override them.
+    Override them to make a new algorithm (as AGN and its baselines do);
+    keep each pure and working on one tensor at a time, as synchronous
+    commits (`tf_agn.optimizers.WindowedOptimizer`), `tf_agn.strategies.fit`
+    and `tf_agn.strategies.simulate` all run the same methods.
 
     Attributes:
         resets_to_center: whether a window starts from a fresh pull of the

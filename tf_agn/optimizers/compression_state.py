@@ -1,45 +1,20 @@
 """A stateful compressor's per-replica state, kept as optimizer variables.
 
-`tf_agn.compression.Int8` and `PowerSGD` keep, on every replica, what
-compression dropped (the residual; PowerSGD keeps it as the factors M,
-P^ and its own Q, `compressor.residual(state)` gives it whole) and
-PowerSGD's warm-started Q. That state is optimizer state, so it lives in
-the optimizer's variables: one replica-local variable
-(`synchronization="on_read"`) per trainable variable and kind of state,
-made when the optimizer is built, after Keras's own, and named after its
-model variable (`dense_kernel_residual`; `dense_kernel_powersgd_q`,
-`dense_kernel_powersgd_m`, ...).
+`tf_agn.compression.Int8` and `PowerSGD` keep, on every replica, the
+residual compression dropped (PowerSGD as its factors M, P^ and Q;
+`compressor.residual(state)` gives it whole) and PowerSGD's warm-started Q.
+An optimizer with such a compressor has, after Keras's own variables, one
+replica-local variable per trainable variable and kind of state, named
+after its model variable (`dense_kernel_residual`,
+`dense_kernel_powersgd_q`, ...). `tf_agn.callbacks.BackupAndRestore` saves
+every replica's copy; a `.keras` file saves their mean, from which training
+continues with no update lost.
 
-So an optimizer with a stateful compressor has Keras's variables followed
-by these; without one, its variables are exactly Keras's. `.keras` files
-and `tf_agn.callbacks.BackupAndRestore` save them:
-
-- `BackupAndRestore` keeps every replica's own copy, so a restored run
-  continues exactly.
-- A `.keras` file holds one value per variable, read across replicas as
-  their mean, and loading gives every replica that mean. What the
-  replicas' residuals add up to, which is all that a sum of their
-  contributions depends on, is kept, so no update is lost. PowerSGD's
-  result is linear in the residuals, whose factors' means are the mean
-  residual (P^ and Q are the same on every replica), so it continues
-  exactly (up to rounding); int8 rounds each replica's value on its own,
-  so its next steps round differently.
-
-Sparse gradients (`tf.IndexedSlices`, as an embedding table read by a
-gather has) travel uncompressed, so state for them would never be used:
-a 100,000 x 64 table would cost int8 a 25.6 MB residual per replica.
-Keras builds the optimizer before any gradient exists, from the
-variables alone, and a Keras variable does not know its layer, so the
-optimizer cannot tell them by itself. Making the state lazily, when the
-first step is traced, would know, but `.keras` loading builds the
-optimizer before any step and skips every saved optimizer variable when
-their number differs. So the user names them, in the optimizer's
-`sparse_gradients`: regular expressions searched for in each variable's
-`path` (`re.search`). A layer's name is the surest: a model's own name
-leads its variables' paths ("net/words/embeddings") only until it is
-loaded ("words/embeddings"). The names are part of the optimizer's
-config, so a `.keras` file keeps them and the loaded optimizer makes
-the same state:
+Sparse gradients (`tf.IndexedSlices`, as an embedding read by a gather
+has) travel uncompressed and need no state: name their variables in the
+optimizer's `sparse_gradients`, regular expressions searched for in each
+variable's `path`. A layer's name is the surest (a model's own name leads
+the paths only until it is loaded). A `.keras` file keeps the names:
 
 ```python
 model = keras.Sequential([
@@ -55,12 +30,8 @@ model.compile(
 # int8 keeps residuals for the Dense layer's kernel and bias only.
 ```
 
-A sparse gradient of a variable that has state travels exactly all the
-same, and leaves the state alone; `check_gradients` warns that it is
-unused, and raises for a dense gradient of a variable named sparse. With
-`gradient_accumulation_steps` what travels is the accumulated window,
-which is dense: the variables named keep their state then, and travel
-compressed.
+With `gradient_accumulation_steps` the window travels dense and
+compressed, so the variables named keep their state then.
 """
 
 import re
@@ -74,8 +45,7 @@ from tf_agn import compression
 
 
 def check_sparse_gradients(patterns):
-    """Validates an optimizer's `sparse_gradients` (see the module
-    docstring).
+    """Validates an optimizer's `sparse_gradients`.
 
     Args:
         patterns: None, or a list or tuple of regular expressions.
@@ -133,12 +103,27 @@ def add_compression_state(optimizer, variables, compressor, sparse_gradients=Non
     states = []
     for variable in variables:
         state = {}
+        # Sparse gradients travel uncompressed, so their state would never be
+        # used (a 100,000 x 64 table would cost int8 a 25.6 MB residual per
+        # replica). The user names them: Keras builds the optimizer from the
+        # variables alone, before any gradient exists, and a variable does
+        # not know its layer; making state lazily at the first traced step
+        # would fail on `.keras` loading, which builds the optimizer before
+        # any step and skips every saved optimizer variable when their
+        # number differs.
         if declared_sparse(sparse_gradients, variable) or not compressor.acts_on(
             tf.as_dtype(variable.dtype)
         ):
             states.append(state)  # It travels uncompressed.
             continue
         for name, spec in sorted(compressor.state_spec(variable.shape).items()):
+            # A `.keras` file holds the replicas' mean, which loading gives
+            # every replica: what the residuals add up to, all a sum of the
+            # replicas' contributions depends on, is kept. PowerSGD's result
+            # is linear in the residuals, whose factors' means are the mean
+            # residual (P^ and Q are equal on every replica), so it continues
+            # exactly (up to rounding); int8 rounds each replica's value on
+            # its own, so its next steps round differently.
             with keras.name_scope(optimizer.name, caller=optimizer):
                 state[name] = keras.Variable(
                     initializer=spec.initializer,

@@ -17,11 +17,10 @@ class DistributedOptimizer(WrappingOptimizer):
     """Wraps a Keras optimizer so replicas combine gradients by `aggregation_method`.
 
     The wrapped optimizer keeps its own update rule, state and
-    hyperparameters; only the communication changes (see
-    `tf_agn.optimizers.Aggregating` for the exact order of weight decay,
-    aggregation, clipping and update). Like Keras' `LossScaleOptimizer`, this
-    wrapper holds no hyperparameters of its own: `learning_rate` and
-    `iterations` are the inner optimizer's.
+    hyperparameters (`learning_rate` and `iterations` are its own); only
+    the communication changes (see `tf_agn.optimizers.Aggregating`). Wrap
+    an optimizer before it is built; under mixed precision Keras puts its
+    `LossScaleOptimizer` around this wrapper by itself.
 
     Example:
 
@@ -37,23 +36,17 @@ class DistributedOptimizer(WrappingOptimizer):
         )
     ```
 
-    Wrap an optimizer before it is built (before training). Under mixed
-    precision Keras puts its `LossScaleOptimizer` around this wrapper, which
-    is the right order: the loss scale is undone before gradients travel.
-
     Args:
         optimizer: the `keras.optimizers.Optimizer` to wrap. It is rebuilt
             from its config with the aggregation mixed in, so its class must
             round-trip through `get_config`/`from_config`.
         aggregation_method: an `AggregationMethod` or its name. None (the
-            default) takes the wrapped optimizer's own, if it is one of
-            tf_agn's and has one, else the `aggregation` of the strategy's
-            `tf_agn.AggregatingAllReduce` (MEAN under other strategies), as
-            tf_agn's drop-in optimizers do.
+            default) takes the wrapped optimizer's own if it is one of
+            tf_agn's and has one, else the strategy's `aggregation` (MEAN
+            under strategies without `tf_agn.AggregatingAllReduce`).
         gradient_accumulation_steps: None, or the micro-steps k per applied
-            step, as Keras' argument of that name: given here, it is set on
-            the wrapped optimizer, which must not have another. Horovod
-            calls it `backward_passes_per_step`.
+            step (Horovod's `backward_passes_per_step`), set on the wrapped
+            optimizer, which must not have another.
         accumulation_reduction: None (the wrapped optimizer's own if it is
             one of tf_agn's, else "mean"), "mean" or "sum"; see
             `tf_agn.optimizers.Aggregating`.
@@ -73,12 +66,11 @@ class DistributedOptimizer(WrappingOptimizer):
     Raises:
         TypeError: if `optimizer` is not a Keras 3 optimizer, or given a
             `learning_rate` (the wrapped optimizer's is the one used).
-        ValueError: if `optimizer` is already built, is a
-            `LossScaleOptimizer`, `aggregation_method` or
-            `accumulation_reduction`, `compression` or `sparse_gradients`
-            is bad, one of these four differs from the wrapped
-            optimizer's own, or
-            `gradient_accumulation_steps` is bad or set twice.
+        ValueError: if `optimizer` is built or is a `LossScaleOptimizer`;
+            if `aggregation_method`, `accumulation_reduction`,
+            `compression` or `sparse_gradients` is invalid or differs from
+            the wrapped optimizer's own; or if
+            `gradient_accumulation_steps` is invalid or set twice.
     """
 
     def __init__(
@@ -146,25 +138,10 @@ class DistributedOptimizer(WrappingOptimizer):
 
 
 def _setting_with(optimizer, setting, value, canonical):
-    """The inner optimizer's `setting` when `optimizer` is wrapped with
-    `value` for it: `value`, or the optimizer's own where it is one of
-    tf_agn's and has one, which must then not differ.
-
-    Args:
-        optimizer: the optimizer being wrapped.
-        setting: "aggregation_method", "accumulation_reduction",
-            "compression" or "sparse_gradients".
-        value: what the wrapper was given, None for the optimizer's own
-            (None again where it has none: the strategy's default).
-        canonical: maps a given value to its config form; it raises for
-            an unknown one.
-
-    Returns:
-        The config value; None for the strategy's default.
-
-    Raises:
-        ValueError: if `value` and the optimizer's own differ.
-    """
+    """The inner optimizer's config value of `setting` (None: the
+    strategy's default): `value` in config form (`canonical(value)`), or the
+    wrapped optimizer's own where it is one of tf_agn's and has one. Raises
+    ValueError if the two differ."""
     given = None if value is None else canonical(value)
     if not isinstance(optimizer, Aggregating):
         return given
@@ -181,8 +158,10 @@ def _setting_with(optimizer, setting, value, canonical):
 
 
 def _method_value(method):
+    """`method`'s config form."""
     return AggregationMethod.parse(method).value
 
 
 def _compression_value(compression):
+    """`compression`'s config form."""
     return compression_lib.serialize(compression_lib.get(compression))

@@ -40,8 +40,8 @@ class AEASGD(WindowedOptimizer):
     Raises:
         TypeError: if given a `learning_rate`: η is `elastic_learning_rate`,
             and the inner optimizer's learning rate is set on it.
-        ValueError: if α = ρη is not in (0, 1], where the elastic move would
-            overshoot, or `local_steps` is not an int >= 1.
+        ValueError: if α = ρη is not in (0, 1], or `local_steps` is not an
+            int >= 1.
     """
 
     resets_to_center = False
@@ -67,6 +67,7 @@ class AEASGD(WindowedOptimizer):
                 f"learning_rate={kwargs['learning_rate']!r}."
             )
         moving_rate = float(rho) * float(elastic_learning_rate)
+        # Above 1 the elastic move would overshoot the center.
         if not 0 < moving_rate <= 1:
             raise ValueError(
                 "The elastic moving rate α = rho * elastic_learning_rate must "
@@ -90,6 +91,7 @@ class AEASGD(WindowedOptimizer):
 
     @staticmethod
     def _default_inner_optimizer(learning_rate):
+        """The inner optimizer when none is given: SGD(η)."""
         return keras.optimizers.SGD(learning_rate)
 
     def commit_delta(self, local, reference):
@@ -123,4 +125,5 @@ class EAMSGD(AEASGD):
 
     @staticmethod
     def _default_inner_optimizer(learning_rate):
+        """SGD(η) with Nesterov momentum 0.9."""
         return keras.optimizers.SGD(learning_rate, momentum=0.9, nesterov=True)

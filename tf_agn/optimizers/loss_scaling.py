@@ -1,28 +1,13 @@
 """Loss scaling under strategies: every replica agrees whether a step is
 finite.
 
-Under mixed precision, `keras.Model.compile` wraps the optimizer in Keras'
-`LossScaleOptimizer`, which skips a step and halves the loss scale when a
-gradient is not finite. It decides from `check_finite(grads)`, called on
-each replica's own gradients before any all-reduce; under a
-`MirroredStrategy` the step follows replica 0's answer. When only another
-replica overflows, every replica applies, the all-reduce carries that
-replica's inf into every copy of the weights, and the scale is not lowered.
-
-tf_agn makes the decision an agreed one: the stock `LossScaleOptimizer`'s
-`check_finite` asks the optimizer it wraps, when that optimizer has an
-`all_replicas_finite(grads)` method (tf_agn's do), and the answer is the
-all-reduced count of replicas holding a non-finite gradient. So a non-finite
-gradient on any replica skips the step on every replica, and the scale drops
-(halved, its growth counter reset) exactly as Keras does without a strategy.
-The stock class is patched once, at import (`install`), because
-`model.compile` creates it by itself; with any other inner optimizer it
-behaves as before.
-
-The agreement costs one all-reduce of one float32 per step, micro-step
-included under `gradient_accumulation_steps`, through the strategy's
-cross-device ops (tf_agn's transports when the strategy has them), and it is
-counted in the optimizer's `communication_stats`.
+`install` (run when `tf_agn.optimizers` is imported) makes Keras'
+`LossScaleOptimizer`, which `compile` puts around the optimizer under mixed
+precision, ask a tf_agn optimizer through its `all_replicas_finite`: a
+non-finite gradient on any replica then skips the step on every replica and
+halves the loss scale, as Keras does without a strategy. It costs one
+all-reduce of one float32 per step (micro-steps included), counted in the
+optimizer's `communication_stats`. Other optimizers are unaffected.
 """
 
 import tensorflow as tf
@@ -47,12 +32,20 @@ def all_replicas_finite(grads, counter=None):
         with one replica, it is this process's own answer.
     """
     non_finite = tf.cast(tf.logical_not(all_finite(grads)), tf.float32)
+    # Through the strategy's cross-device ops (tf_agn's transports where the
+    # strategy has them).
     (replicas_non_finite,) = aggregate([non_finite], AggregationMethod.SUM, counter=counter)
     return tf.equal(replicas_non_finite, 0.0)
 
 
 def _check_finite(loss_scale_optimizer, grads):
     """`LossScaleOptimizer.check_finite`, asking its inner optimizer first."""
+    # Keras' own check runs on each replica's gradients before any
+    # all-reduce, and under MirroredStrategy the step follows replica 0's
+    # answer: when only another replica overflows, every replica applies,
+    # the all-reduce carries its inf into every copy of the weights, and the
+    # scale is not lowered. tf_agn's optimizers all-reduce the count of
+    # replicas with a non-finite gradient instead.
     inner = loss_scale_optimizer.inner_optimizer
     if hasattr(inner, "all_replicas_finite"):
         return inner.all_replicas_finite(grads)
@@ -61,6 +54,7 @@ def _check_finite(loss_scale_optimizer, grads):
 
 def install():
     """Makes Keras' `LossScaleOptimizer` agree across replicas whether a step
-    is finite, when it wraps an optimizer that can tell (see the module
-    docstring). Idempotent."""
+    is finite, when it wraps an optimizer that can tell. Idempotent."""
+    # The stock class is patched, not subclassed: `model.compile` creates it
+    # by itself.
     _compat.replace_loss_scale_check_finite(_check_finite)

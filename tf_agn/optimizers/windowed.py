@@ -35,19 +35,18 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
 
     Every replica or worker steps its own weights θ with the inner
     `optimizer` for `local_steps` steps, sending nothing, then commits a Δ
-    computed from θ and the center θ_c. AGN, DOWNPOUR, DynSGD, AEASGD and
-    EAMSGD are this loop with other update rules, each a small pure method
-    that every executor runs (synchronously under `MirroredStrategy`,
-    asynchronously in `tf_agn.strategies.fit`, and in
-    `tf_agn.strategies.simulate`): `commit_delta`, `commit_scale`,
-    `local_after_commit` and `resets_to_center`.
+    computed from θ and the center θ_c. Subclass it and override the
+    `CommitRules` (`commit_delta`, `commit_scale`, `local_after_commit`,
+    `resets_to_center`) for a new algorithm, as AGN, DOWNPOUR, DynSGD,
+    AEASGD and EAMSGD do; they run synchronously under `MirroredStrategy`
+    and asynchronously in `tf_agn.strategies.fit` and `simulate`.
 
     Synchronously, the replicas' Δ_r are combined with `aggregation_method`
-    (travelling by `compression`) and the `outer_optimizer` applies the
-    result to θ_c as the pseudo-gradient −Δ (by default SGD(1.0): θ_c ←
-    θ_c + Δ; with Nesterov momentum, DiLoCo). The inner optimizer's state
-    stays per replica across windows, as in the paper. At the end of `fit`
-    a partial window is committed, so the weights are the center after.
+    and the `outer_optimizer` applies the result to θ_c as the
+    pseudo-gradient −Δ (by default SGD(1.0): θ_c ← θ_c + Δ; with Nesterov
+    momentum, DiLoCo). The inner optimizer's state stays per replica. At
+    the end of `fit` a partial window is committed, so the weights are the
+    center after.
 
     Example:
 
@@ -179,9 +178,9 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
         return communication_stats(self)
 
     def all_replicas_finite(self, grads):
-        """See `tf_agn.optimizers.Aggregating.all_replicas_finite`: even a
-        local step is skipped on every replica when one overflows, because
-        the loss scale is shared."""
+        """See `tf_agn.optimizers.Aggregating.all_replicas_finite`; local
+        steps too are skipped on every replica when one overflows."""
+        # The loss scale is shared, so even a local step must agree.
         return all_replicas_finite(grads, self._communication)
 
     def apply(self, grads, trainable_variables=None):
@@ -332,6 +331,7 @@ def optimizer_state(optimizer):
 
 
 def _check_not_parameter_server(optimizer):
+    """Raises unless `optimizer` was created outside `ParameterServerStrategy`."""
     if isinstance(
         _compat.creation_strategy(optimizer), tf.distribute.experimental.ParameterServerStrategy
     ):
@@ -380,6 +380,8 @@ def _check_local_inner_optimizer(owner, optimizer, local_steps):
 
 
 def _check_outer_optimizer(outer_optimizer):
+    """Raises unless `outer_optimizer` is a Keras optimizer whose learning
+    rate is positive, a schedule or a callable."""
     if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             "outer_optimizer must be a keras.optimizers.Optimizer; received "

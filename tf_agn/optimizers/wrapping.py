@@ -11,12 +11,10 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
     """A Keras optimizer that steps with the optimizer it wraps.
 
     Like Keras' `LossScaleOptimizer`, it holds no hyperparameters of its
-    own: `learning_rate` and `iterations` are the wrapped optimizer's. It
-    keeps the optimizer it wraps as `inner_optimizer`, rebuilt from its
-    config with `tf_agn.optimizers.Aggregating` mixed in, so that its
-    update rule and state are the user's and its gradients travel as
-    tf_agn's do. `tf_agn.optimizers.DistributedOptimizer` and
-    `tf_agn.optimizers.WindowedOptimizer` are wrapping optimizers.
+    own: `learning_rate` and `iterations` are the wrapped optimizer's. The
+    wrapped optimizer is `inner_optimizer`, rebuilt from its config with
+    `tf_agn.optimizers.Aggregating` mixed in. The base of
+    `tf_agn.optimizers.DistributedOptimizer` and `WindowedOptimizer`.
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to wrap, not built yet.
@@ -40,6 +38,8 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         config = dict(optimizer.get_config(), **settings)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._wrapped_class = type(optimizer)
+        # Rebuilt with `Aggregating` mixed in: the update rule and state
+        # stay the user's, and gradients travel as tf_agn's do.
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
 
     def build(self, var_list):
@@ -123,6 +123,9 @@ def check_wrappable(owner, optimizer, kwargs):
             f"{owner} wraps a keras.optimizers.Optimizer (Keras 3); received "
             f"{optimizer!r} of type {type(optimizer).__name__}."
         )
+    # Keras puts its LossScaleOptimizer around the wrapper under mixed
+    # precision, the right order: the loss scale is undone before gradients
+    # travel.
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             f"Wrap the inner optimizer, not a LossScaleOptimizer: Keras adds "
