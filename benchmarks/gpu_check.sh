@@ -3,7 +3,9 @@
 # without fp16 compression per transport (max relative error against numpy,
 # placement on each replica's GPU), ordered collectives (the whole
 # CrossDeviceOps contract against ReductionToOneDevice, many packs with sparse
-# values, eager and traced, steps_per_execution=3 against 1), then the time of
+# values, eager and traced, steps_per_execution=3 against 1), compression
+# under the stock MirroredStrategy (NCCL) against tf_agn's ops, NCCL's
+# reduce-scatter (2+ GPUs), then the time of
 # one all-reduce (SUM, 12.6 M floats in 48 tensors, Keras's replica-context
 # path) for the stock
 # MirroredStrategy default, NcclAllReduce (2+ GPUs) and our transports.

@@ -47,3 +47,35 @@ def stateful_compressors():
         "int8": compression.Int8(chunk_size=4),
         "powersgd": compression.PowerSGD(rank=1, min_compression_rate=1),
     }
+
+
+def shard_indices(num_rows, batch_size, num_pipelines, pipeline_id):
+    """Row indices, step by step, of `pipeline_id`'s slice of each global
+    batch: consecutive slices, as MirroredStrategy splits a batch."""
+    if batch_size % num_pipelines or num_rows % batch_size:
+        raise ValueError(
+            f"{num_rows} rows do not split into global batches of "
+            f"{batch_size} over {num_pipelines} pipelines."
+        )
+    per_replica = batch_size // num_pipelines
+    starts = np.arange(0, num_rows, batch_size) + pipeline_id * per_replica
+    return starts[:, None] + np.arange(per_replica)[None, :]
+
+
+def distributed_dataset(strategy, x, y, batch_size):
+    def dataset_fn(context):
+        if context.num_input_pipelines != strategy.num_replicas_in_sync:
+            raise RuntimeError(
+                f"{context.num_input_pipelines} input pipelines for "
+                f"{strategy.num_replicas_in_sync} replicas: each pipeline "
+                "must feed exactly one replica."
+            )
+        per_replica = context.get_per_replica_batch_size(batch_size)
+        rows = shard_indices(
+            len(x), batch_size, context.num_input_pipelines,
+            context.input_pipeline_id,
+        ).reshape(-1)
+        dataset = tf.data.Dataset.from_tensor_slices((x[rows], y[rows]))
+        return dataset.batch(per_replica, drop_remainder=True)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)

@@ -162,8 +162,14 @@ def test_bytes_sent_scale_as_one_over_local_steps():
         model, _ = train_linear("mean", local_steps, 12)
         stats[local_steps] = model.optimizer.communication_stats()
     num_elements = 3 * 2 + 2
-    assert stats[1] == {"all_reduce_calls": 12, "bytes_sent": 12 * num_elements * 4}
-    assert stats[4] == {"all_reduce_calls": 3, "bytes_sent": 3 * num_elements * 4}
+    assert stats[1] == {
+        "all_reduce_calls": 12, "bytes_sent": 12 * num_elements * 4,
+        "bytes_received": 12 * num_elements * 4,
+    }
+    assert stats[4] == {
+        "all_reduce_calls": 3, "bytes_sent": 3 * num_elements * 4,
+        "bytes_received": 3 * num_elements * 4,
+    }
 
 
 def test_without_strategy_local_steps_then_outer_step():

@@ -64,11 +64,13 @@ def test_float32_is_counted_before_start_step_then_what_compression_sends(
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 2,
         "bytes_sent": 2 * FLOAT32_BYTES,
+        "bytes_received": 2 * FLOAT32_BYTES,
     }
     fit_steps(model, 3)  # steps 2, 3 and 4: the last two compressed
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 5,
         "bytes_sent": 3 * FLOAT32_BYTES + 2 * compressed_bytes,
+        "bytes_received": 3 * FLOAT32_BYTES + 2 * compressed_bytes,
     }
 
 
@@ -81,6 +83,7 @@ def test_start_step_counts_applied_steps_under_accumulation():
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 2,
         "bytes_sent": FLOAT32_BYTES + 2048 + 4 * 4,
+        "bytes_received": FLOAT32_BYTES + 2048 + 4 * 4,
     }
 
 

@@ -1,8 +1,9 @@
 """AggregatingAllReduce on real GPUs: numerics of every method, fp16
 compression and placement, and ordered collectives (the whole
 CrossDeviceOps contract, many packs with sparse values, eager and traced,
-and steps_per_execution=3), per transport (tests/gpu_worker.py, in a fresh
-process). Marked `gpu`; benchmarks/gpu_check.sh runs them and prints the
+and steps_per_execution=3), per transport; compression under the stock
+MirroredStrategy (NCCL) against tf_agn's ops; NCCL's reduce-scatter
+(tests/gpu_worker.py, in a fresh process). Marked `gpu`; benchmarks/gpu_check.sh runs them and prints the
 table."""
 
 import json
@@ -58,6 +59,22 @@ def test_int8_and_powersgd_match_numpy_on_gpus(report):
         # Rank 1 at rank 4, elements of 1e-30, a top singular value of 1e10.
         for case in ("powersgd_rank_1", "powersgd_tiny", "powersgd_huge"):
             assert row[case] <= 1e-5, row
+
+
+def test_compression_under_the_stock_strategy_matches_tf_agns_ops(report):
+    # As tests/test_any_strategy.py on CPUs: NCCL sums the casts in their
+    # wire dtype, where tf_agn's local transport sums in float32.
+    tolerance = {"fp16": 4e-4, "bf16": 4e-3, "int8": 1e-5, "powersgd": 1e-4}
+    rows = [row for row in report["rows"] if row["kind"] == "any_strategy"]
+    assert {row["compression"] for row in rows} == set(tolerance)
+    for row in rows:
+        assert row["relative_difference"] <= tolerance[row["compression"]], row
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="NCCL's reduce-scatter needs 2 physical GPUs")
+def test_nccls_reduce_scatter_gives_each_replica_its_part(report):
+    (row,) = [row for row in report["rows"] if row["kind"] == "reduce_scatter"]
+    assert row["max_rel_error"] <= 1e-6, row
 
 
 def test_every_candidate_was_timed(report):

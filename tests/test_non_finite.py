@@ -164,6 +164,7 @@ def test_the_agreement_is_one_float_per_step_and_counted():
     assert model.optimizer.inner_optimizer.communication_stats() == {
         "all_reduce_calls": 2 * 2,
         "bytes_sent": 2 * (gradient_bytes + 4),
+        "bytes_received": 2 * (gradient_bytes + 4),
     }
 
 

@@ -341,6 +341,7 @@ def test_communication_stats(method, compression, calls, bytes_per_element):
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": calls,
         "bytes_sent": calls * num_elements * bytes_per_element,
+        "bytes_received": calls * num_elements * bytes_per_element,
     }
 
 

@@ -182,6 +182,37 @@ def test_keras_path_results_sit_on_their_replica(transport, placed_inputs):
         assert_placed([d.numpy().decode() for d in per_value.values])
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_pattern_matches_numpy(transport):
+    """The vocabulary each transport offers, one entry per local replica in
+    and out: all-reduce (weighted), reduce-scatter, all-gather, all-to-all."""
+    strategy, ops = strategy_for(transport=transport)
+    n = NUM_REPLICAS
+    rng = np.random.default_rng(4)
+    arrays = [rng.normal(size=(n, 6)).astype(np.float32) for _ in range(n)]
+    (value,) = distribute(strategy, [[a] for a in arrays])
+    patterns = ops.transport_for(value)
+    local = list(value.values)
+
+    def run(tensors):
+        return (
+            [r for (r,) in patterns.all_reduce([[t] for t in tensors], [0.5] * n)],
+            patterns.reduce_scatter(tensors),
+            patterns.all_gather(tensors),
+            patterns.all_to_all(tensors),
+        )
+
+    reduced, scattered, gathered, exchanged = patterns.eager(("patterns_test",), run)(local)
+    total = sum(arrays)
+    for r in range(n):
+        np.testing.assert_allclose(reduced[r].numpy(), 0.5 * total, rtol=1e-6)
+        np.testing.assert_allclose(scattered[r].numpy(), total[r], rtol=1e-6)
+        np.testing.assert_array_equal(gathered[r].numpy(), np.concatenate(arrays))
+        np.testing.assert_array_equal(exchanged[r].numpy(), np.stack([a[r] for a in arrays]))
+    for results in (reduced, scattered, gathered, exchanged):
+        assert_placed([t.device for t in results])
+
+
 def test_device_less_values_take_their_replica_device():
     """Function inputs carry the device "": the ops must place each
     replica's work on the strategy's device of the same index, not leave

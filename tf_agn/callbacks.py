@@ -54,10 +54,11 @@ class EvaluateAtCenter(keras.callbacks.Callback):
 
 
 class CommunicationLogger(keras.callbacks.Callback):
-    """Adds `all_reduce_calls` and `bytes_sent` to the epoch logs.
+    """Adds `all_reduce_calls`, `bytes_sent` and `bytes_received` to the
+    epoch logs.
 
     Put it before `TensorBoard`, `CSVLogger` or `History` readers in the
-    callback list, so that they see the two numbers.
+    callback list, so that they see the numbers.
 
     Example:
 

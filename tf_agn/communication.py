@@ -7,26 +7,26 @@ from tf_agn.compression import is_stateful
 
 
 class CommunicationCounter:
-    """Counts aggregations and the bytes one replica contributes to them.
+    """Counts an optimizer's aggregations and the bytes one replica sends
+    and receives in them.
 
-    An aggregation (SUM, MEAN or ONLY_FIRST_REPLICA) counts as one call, and
-    its payload is the bytes of one replica's values as they travel
-    (`payload_bytes`): what each replica puts on the wire in a reduce, and
-    what replica 0 broadcasts for ONLY_FIRST_REPLICA. A compressor shrinks
-    the payload: 2 bytes per float32 for "fp16" and "bf16"; for "int8" a
-    byte per element and a float32 scale per chunk, with each pack padded
-    so that every replica's part of it is whole chunks; (rows + cols) *
-    rank floats per matrix for PowerSGD. Before an int8 or PowerSGD
-    compressor's `start_step` the values travel, and count, as float32.
-    NONE sends nothing and is not counted. An int8 or ring all-reduce sends
-    its payload about twice (see `tf_agn.transports.traffic`); the payload
-    is what compression changes.
+    An aggregation (SUM, MEAN or ONLY_FIRST_REPLICA) counts as one call.
+    `bytes_sent` counts its payload (`payload_bytes`): the bytes of one
+    replica's values as they travel, as a compressor shrinks them (2 bytes
+    per float32 for "fp16" and "bf16"; for "int8" a byte per element and a
+    float32 scale per chunk, its packs padded to whole chunks for every
+    replica; (rows + cols) * rank floats per matrix for PowerSGD; float32
+    before a compressor's `start_step`). A ring all-reduce, or int8's
+    all-to-all and all-gather, moves about twice the payload in and out of
+    each replica (`tf_agn.transports.traffic`); the payload is what
+    compression changes. `bytes_received` counts the same payload, but
+    (n - 1) payloads where a strategy without tf_agn's ops all-gathers
+    what int8 reduces. NONE sends nothing and is not counted.
 
     The counts are variables of the counter, not of the optimizer: an
     optimizer's `variables`, and what it saves, stay exactly those of
-    Keras' optimizer of the same class, so checkpoints and code written for
-    Keras' state line up. The counts start at zero when the optimizer is
-    built (after loading too).
+    Keras' optimizer of the same class. They start at zero when the
+    optimizer is built (after loading too).
 
     Args:
         optimizer: the Keras optimizer whose aggregations are counted.
@@ -34,35 +34,43 @@ class CommunicationCounter:
 
     def __init__(self, optimizer):
         with keras.name_scope(optimizer.name, caller=optimizer):
-            self.calls, self.bytes = (
+            self.calls, self.bytes, self.received = (
                 keras.Variable(
                     0, dtype="int64", trainable=False, aggregation="none", name=name
                 )
-                for name in ("all_reduce_calls", "bytes_sent")
+                for name in ("all_reduce_calls", "bytes_sent", "bytes_received")
             )
 
-    def record(self, payload, when=None):
+    def record(self, payload, when=None, received=None):
         """Adds one aggregation.
 
         Args:
             payload: the bytes this replica sent, an int or a scalar
                 integer tensor (`payload_bytes`).
             when: None, or a scalar boolean tensor: count only where true.
+            received: the bytes it received; by default `payload`.
         """
         times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
         self.calls.assign_add(times)
         self.bytes.assign_add(tf.cast(payload, tf.int64) * times)
+        received = payload if received is None else received
+        self.received.assign_add(tf.cast(received, tf.int64) * times)
 
     def result(self):
-        """Returns `{"all_reduce_calls": int, "bytes_sent": int}`."""
+        """Returns `{"all_reduce_calls": int, "bytes_sent": int,
+        "bytes_received": int}`."""
         return {
             "all_reduce_calls": int(self.calls.numpy()),
             "bytes_sent": int(self.bytes.numpy()),
+            "bytes_received": int(self.received.numpy()),
         }
 
 
-def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_pack=None):
-    """The bytes one replica sends to aggregate `values`, as they travel.
+def payload_bytes(
+    values, compressor=None, step=None, num_replicas=1, bytes_per_pack=None, gathered=False
+):
+    """The bytes one replica sends to aggregate `values`, as they travel, or
+    with `gathered`, those it receives.
 
     Sparse values (`tf.IndexedSlices`: their rows and indices) travel
     exactly, and so do dense ones a stateful compressor does not act on. A
@@ -78,7 +86,11 @@ def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_
             optimizer's step, a scalar integer tensor.
         num_replicas, bytes_per_pack: for an `ErrorFeedbackCompressor`: the
             replicas of all workers, and the most bytes one of its packs
-            holds (the `bytes_per_pack` of the strategy's ops).
+            holds (the transport's `bytes_per_pack`).
+        gathered: whether to count what one replica receives from a
+            transport whose reduce-scatter and all-to-all are all-gathers
+            (`tf_agn.transports.ReplicaTransport`): (n - 1) payloads of a
+            compressor that uses them.
 
     Returns:
         An int; a scalar int64 tensor where the count depends on `step` or
@@ -91,6 +103,8 @@ def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_
     if not is_stateful(compressor):
         return exact + sum(compressor.wire_bytes(v.shape, v.dtype) for v in compressed)
     sent = compressor.payload_bytes([v.shape for v in compressed], num_replicas, bytes_per_pack)
+    if gathered and gathers(compressor):
+        sent *= num_replicas - 1
     if compressor.start_step:
         # Until then `tf_agn.combining.combine_replicas` sums them
         # uncompressed.
@@ -101,6 +115,13 @@ def payload_bytes(values, compressor=None, step=None, num_replicas=1, bytes_per_
             tf.constant(sent, tf.int64),
         )
     return exact + sent
+
+
+def gathers(compressor):
+    """Whether `compressor` uses a reduce-scatter or an all-to-all, which a
+    strategy without tf_agn's ops builds from an all-gather of whole
+    buffers."""
+    return bool({"reduce_scatter", "all_to_all"} & set(compressor.patterns))
 
 
 def _compresses(compressor, value):
@@ -126,8 +147,8 @@ def communication_stats(optimizer):
     """`optimizer`'s counts, or zeros before it is built.
 
     Returns:
-        `{"all_reduce_calls": int, "bytes_sent": int}`.
+        `{"all_reduce_calls": int, "bytes_sent": int, "bytes_received": int}`.
     """
     if not optimizer.built:
-        return {"all_reduce_calls": 0, "bytes_sent": 0}
+        return {"all_reduce_calls": 0, "bytes_sent": 0, "bytes_received": 0}
     return optimizer._communication.result()

@@ -3,6 +3,7 @@ from inside a replica; what tf_agn's optimizers call instead of Keras'
 all-reduce."""
 
 import functools
+import warnings
 
 import tensorflow as tf
 
@@ -11,6 +12,7 @@ from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import scale_value
 from tf_agn.combining import combine_replicas
+from tf_agn.communication import gathers
 from tf_agn.communication import payload_bytes
 from tf_agn.cross_device_ops import AggregatingAllReduce
 from tf_agn.transports import ReplicaTransport
@@ -59,8 +61,11 @@ def aggregate(
 
     Call it in replica context (inside `strategy.run`; Keras' `train_step`
     is). Under tf_agn's `AggregatingAllReduce` the values travel by its
-    transport, packed and compressed; under any other strategy by its own
-    `all_reduce`, uncompressed.
+    transport, all local replicas at once; under any other strategy
+    (`TPUStrategy` among them) each replica sends its own through the
+    strategy's replica-context `all_reduce` and `all_gather`
+    (`tf_agn.transports.ReplicaTransport`). Either way they are compressed
+    by `compressor`.
 
     Args:
         values: this replica's tensors or `tf.IndexedSlices`; None entries
@@ -70,8 +75,7 @@ def aggregate(
             (`gradient_scale()` for gradients; 1/k for the mean of k
             accumulated steps).
         compressor: None, or the `tf_agn.compression` compressor the values
-            travel in (it needs tf_agn's `AggregatingAllReduce` wherever
-            there are several replicas).
+            travel in.
         state: for an `ErrorFeedbackCompressor`: one dict per value, from
             each name of its `state_spec` to this replica's variable, which
             is read, and assigned the new state.
@@ -88,8 +92,7 @@ def aggregate(
         or a single replica, they are this replica's own, scaled.
 
     Raises:
-        ValueError: for an unknown method, or a compressor under other
-            cross-device ops.
+        ValueError: for an unknown method.
 
     Example:
 
@@ -108,33 +111,36 @@ def aggregate(
         combined = _scaled(tensors, value_scale, when)
     else:
         ops = tf_agn_ops(context.strategy)
-        _check_compressor(context.strategy, ops, compressor)
+        # Under other cross-device ops, each replica by itself.
+        transport = ReplicaTransport(context) if ops is None else None
         if counter is not None:
-            counter.record(
-                payload_bytes(
-                    tensors, compressor, step, context.num_replicas_in_sync,
-                    None if ops is None else ops.bytes_per_pack,
-                ),
-                when,
+            count = functools.partial(
+                payload_bytes, tensors, compressor, step, context.num_replicas_in_sync,
+                (ops or transport).bytes_per_pack,
             )
+            counter.record(count(), when, count(gathered=ops is None))
         if ops is None:
-            combined = _aggregate_in_replica(context, method, tensors, value_scale, when)
+            _warn_if_gathering_costs_more(context, compressor, tensors, transport)
+        variables = None
+        if compression.is_stateful(compressor):
+            variables = [state[i] for i in present]
+        else:
+            step = None
+        if ops is None:
+            combined = _aggregate_in_replica(
+                transport, method, tensors, value_scale, compressor, variables, step, when
+            )
         else:
             # All local replicas at once, in one `merge_call`. A stateful
             # compressor's state travels into it as this replica's values;
             # its new values are assigned to this replica's variables after.
-            variables = states = None
-            if compression.is_stateful(compressor):
-                variables = [state[i] for i in present]
-                states = tf.nest.map_structure(tf.convert_to_tensor, variables)
-            step = None if states is None or step is None else tf.convert_to_tensor(step)
+            states = _read(variables)
+            step = None if step is None else tf.convert_to_tensor(step)
             combined, new_states = context.merge_call(
                 functools.partial(_combine_merged, ops, method, value_scale, compressor),
                 args=(when, step, tensors, states),
             )
-            if variables is not None:
-                for variable, value in zip(tf.nest.flatten(variables), tf.nest.flatten(new_states)):
-                    variable.assign(value)
+            _assign(variables, new_states)
     result = list(values)
     for index, value in zip(present, combined):
         result[index] = value
@@ -178,11 +184,17 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
     return _regroup_each(zip(*combined)), new_states
 
 
-def _aggregate_in_replica(context, method, values, value_scale, when):
-    """`aggregate` under other cross-device ops, through the strategy's own
-    replica-context `all_reduce`."""
+def _aggregate_in_replica(
+    transport, method, values, value_scale, compressor, variables, step, when
+):
+    """`aggregate` under other cross-device ops, on this replica's own
+    `ReplicaTransport`."""
     if when is None:
-        (combined,), _ = combine_replicas(ReplicaTransport(context), method, [values], value_scale)
+        states = None if variables is None else [_read(variables)]
+        (combined,), new_states = combine_replicas(
+            transport, method, [values], value_scale, compressor, states, step
+        )
+        _assign(variables, None if new_states is None else new_states[0])
         return combined
 
     # A strategy cannot synchronize replicas inside a `tf.cond` taken in
@@ -193,7 +205,10 @@ def _aggregate_in_replica(context, method, values, value_scale, when):
 
         def communicate():
             combined = strategy.extended.call_for_each_replica(
-                functools.partial(aggregate, method=method, value_scale=value_scale),
+                functools.partial(
+                    aggregate, method=method, value_scale=value_scale,
+                    compressor=compressor, state=variables, step=step,
+                ),
                 args=(values,),
             )
             return [list(local(c)) for c in combined]
@@ -201,7 +216,46 @@ def _aggregate_in_replica(context, method, values, value_scale, when):
         parts = tf.cond(local(when)[0], communicate, lambda: [list(local(v)) for v in values])
         return _regroup_each(parts)
 
-    return context.merge_call(combine_if, args=(when, values))
+    return transport.context.merge_call(combine_if, args=(when, values))
+
+
+def _warn_if_gathering_costs_more(context, compressor, values, transport):
+    """Warns, while tracing, where `compressor` under a strategy without
+    tf_agn's ops receives more than an uncompressed ring all-reduce would:
+    its reduce-scatter is an all-gather, so each of n replicas receives
+    n - 1 payloads, where a float32 ring receives 2 (n - 1) / n values'
+    worth (int8: from about 8 replicas)."""
+    if not compression.is_stateful(compressor) or not gathers(compressor):
+        return
+    shapes = [
+        v.shape for v in values
+        if not isinstance(v, tf.IndexedSlices) and compressor.acts_on(v.dtype)
+    ]
+    n = transport.size
+    payload = compressor.payload_bytes(shapes, n, transport.bytes_per_pack)
+    float32 = 4 * sum(shape.num_elements() for shape in shapes)
+    if shapes and n * payload > 2 * float32:
+        warnings.warn(
+            f"compression={compressor.name!r} under "
+            f"{type(context.strategy).__name__}, which has no tf_agn ops: each of "
+            f"{n} replicas receives {n - 1} compressed payloads ({(n - 1) * payload} "
+            f"bytes), more than an uncompressed float32 ring all-reduce "
+            f"({2 * (n - 1) * float32 // n} bytes). Use fp16, bf16 or PowerSGD "
+            "here, or tf_agn.strategies.mirrored / multi_worker_mirrored.",
+            stacklevel=2,
+        )
+
+
+def _read(variables):
+    """This replica's values of `variables` (any structure), or None."""
+    return None if variables is None else tf.nest.map_structure(tf.convert_to_tensor, variables)
+
+
+def _assign(variables, values):
+    """Assigns each of `values` to its variable, where there are any."""
+    if variables is not None:
+        for variable, value in zip(tf.nest.flatten(variables), tf.nest.flatten(values)):
+            variable.assign(value)
 
 
 def _scaled(values, value_scale, when):
@@ -212,16 +266,6 @@ def _scaled(values, value_scale, when):
     if when is None:
         return scaled
     return tf.cond(when, lambda: scaled, lambda: list(values))
-
-
-def _check_compressor(strategy, ops, compressor):
-    if compressor is not None and ops is None:
-        raise ValueError(
-            f"compression={compression.name_of(compressor)!r} needs tf_agn's "
-            "AggregatingAllReduce (tf_agn.strategies.mirrored or "
-            "multi_worker_mirrored); this strategy's ops are "
-            f"{type(_compat.cross_device_ops(strategy.extended, required=False)).__name__}."
-        )
 
 
 def _regroup_each(parts):

@@ -47,9 +47,12 @@ class Compressor:
     Attributes:
         name: a short string naming the compressor; every worker's
             compressor must have the same one.
+        patterns: the transport patterns its values travel by: a cast
+            wraps an all-reduce.
     """
 
     name = None
+    patterns = ("all_reduce",)
 
     def wire_dtype(self, dtype):
         """The dtype values of `dtype` travel, and are summed, in.

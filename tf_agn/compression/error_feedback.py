@@ -67,11 +67,20 @@ class ErrorFeedbackCompressor:
             accuracy matters, about a tenth of the training steps is
             PyTorch's advice.
 
+    Attributes:
+        name: a short string naming the compressor; every worker's
+            compressor must have the same one.
+        patterns: the transport patterns `combine` uses
+            (`tf_agn.transports`); by default any of them. It tells the
+            byte counts whether a strategy without tf_agn's ops gathers
+            whole buffers for a reduce-scatter or an all-to-all.
+
     Raises:
         ValueError: for a `start_step` that is not an int >= 0.
     """
 
     name = None
+    patterns = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
     # start_step=0: with error feedback nothing compression drops is lost,
     # and benchmarks/README.md measures PowerSGD rank 4 within a point of

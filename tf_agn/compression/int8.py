@@ -59,6 +59,7 @@ class Int8(ErrorFeedbackCompressor):
     """
 
     name = "int8"
+    patterns = ("reduce_scatter", "all_gather")
 
     def __init__(self, chunk_size=512, error_feedback=True, start_step=0):
         super().__init__(error_feedback, start_step)
@@ -303,8 +304,12 @@ def _dequantize_wire(gathered, layout):
 def _error(worker_error, owner_error, rank, layout):
     """The new residuals, flat: what this replica's quantization dropped,
     plus what the second quantization dropped of the part it reduced."""
-    start = rank * layout.part_length
-    return worker_error + tf.pad(owner_error, [[start, layout.padded - start - layout.part_length]])
+    # A select of one row rather than a pad at rank * part_length: the rank
+    # is a tensor in replica context (`ReplicaTransport`), and XLA pads only
+    # by constants. The other parts get +0, as from a pad.
+    mine = tf.equal(tf.range(layout.parts), tf.cast(rank, tf.int32))[:, None]
+    owner = tf.where(mine, owner_error[None, :], 0.0)
+    return worker_error + tf.reshape(owner, [-1])
 
 
 def _split(flat, shapes):

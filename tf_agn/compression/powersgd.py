@@ -59,6 +59,7 @@ class PowerSGD(ErrorFeedbackCompressor):
     """
 
     name = "powersgd"
+    patterns = ("all_reduce",)
 
     def __init__(
         self, rank=1, min_compression_rate=2.0, error_feedback=True, start_step=0, seed=0

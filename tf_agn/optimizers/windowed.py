@@ -326,7 +326,7 @@ def optimizer_state(optimizer):
     counters = {id(optimizer.iterations), id(_compat.learning_rate_source(optimizer))}
     communication = getattr(optimizer, "_communication", None)
     if communication is not None:
-        counters.update((id(communication.calls), id(communication.bytes)))
+        counters.update(id(v) for v in (communication.calls, communication.bytes, communication.received))
     return [v for v in optimizer.variables if id(v) not in counters]
 
 
