@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_agn
 from conftest import DEVICES
 from tf_agn import _compat
 
@@ -88,12 +89,41 @@ def test_update_step_in_place_updates_each_replicas_own_copy():
 
 def test_weight_decay_and_clipping_follow_keras_formulas():
     variable = keras.Variable(np.full(2, 2.0, np.float32))
-    optimizer = keras.optimizers.AdamW(0.5, weight_decay=0.1, clipnorm=1.0)
+    in_place = type("AdamW", (keras.optimizers.AdamW, _compat.InPlaceUpdates), {})
+    optimizer = in_place(0.5, weight_decay=0.1, clipnorm=1.0)
     optimizer.build([variable])
-    _compat.apply_weight_decay_in_place(optimizer, [variable])
+    _compat.apply_weight_decay(optimizer, [variable])
     np.testing.assert_allclose(variable.numpy(), 2.0 * (1 - 0.5 * 0.1), rtol=1e-6)
     (clipped,) = _compat.clip_gradients_in_place(optimizer, [tf.constant([3.0, 4.0])])
     np.testing.assert_allclose(clipped.numpy(), [0.6, 0.8], rtol=1e-6)
+
+
+def test_in_place_updates_run_a_keras_classs_own_update_step():
+    """Nadam keeps the product of its momentum factors in its own
+    `_backend_update_step`: through `InPlaceUpdates` it still runs, so
+    tf_agn's Nadam equals Keras's (it was NaN when it was skipped)."""
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    weights = []
+    for optimizer in (
+        keras.optimizers.Nadam(0.01),
+        tf_agn.optimizers.DistributedOptimizer(keras.optimizers.Nadam(0.01)),
+    ):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer, "mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for got, want in zip(weights[1], weights[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_update_step_in_place_refuses_what_it_would_skip():
+    variable = keras.Variable(np.ones(2, np.float32))
+    optimizer = keras.optimizers.Nadam()
+    optimizer.build([variable])
+    with pytest.raises(ValueError, match="Nadam updates state of its own once per step"):
+        _compat.update_step_in_place(optimizer, [tf.ones(2)], [variable], 0.1)
 
 
 def test_slots_created_plainly_is_scoped():

@@ -32,8 +32,9 @@ From Keras:
   `_clip_gradients`, backend-agnostic: they update in the calling context,
   where Keras' TensorFlow optimizer all-reduces and updates through
   `merge_call`; so NONE steps stay local and `steps_per_execution > 1`
-  works (`update_step_in_place`, `apply_weight_decay_in_place`,
-  `clip_gradients_in_place`).
+  works (`InPlaceUpdates`, which tf_agn's optimizer classes place after
+  the Keras class, so that a class's own override, Nadam's, still runs;
+  `update_step_in_place`, `apply_weight_decay`, `clip_gradients_in_place`).
 - `BaseOptimizer.add_variable_from_reference`, plain: Keras' TensorFlow
   optimizer colocates slots through the strategy, which
   `ParameterServerStrategy` refuses for worker-local weights
@@ -199,18 +200,55 @@ def ordered_per_worker(variable):
     return variable
 
 
+class InPlaceUpdates(keras.optimizers.Optimizer):
+    """The base tf_agn's optimizer classes place after the Keras class they
+    extend: its updates and weight decay run in the context they are
+    called in (each replica on its own copy, in replica context), without
+    the all-reduce and `merge_call` of Keras' TensorFlow optimizer.
+
+    A Keras class's own `_backend_update_step` still runs first: Nadam's
+    updates its product of momentum factors there, and its `super()` call
+    lands here.
+    """
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        _keras_base_optimizer.BaseOptimizer._backend_update_step(
+            self, grads, trainable_variables, learning_rate
+        )
+
+    def _apply_weight_decay(self, variables):
+        _keras_base_optimizer.BaseOptimizer._apply_weight_decay(self, variables)
+
+
+def apply_weight_decay(optimizer, variables):
+    """Applies `optimizer`'s weight decay to `variables`, through its class's
+    own `_apply_weight_decay` (in the current context for tf_agn's classes,
+    `InPlaceUpdates`)."""
+    optimizer._apply_weight_decay(variables)
+
+
 def update_step_in_place(optimizer, grads, variables, learning_rate):
-    """Runs `optimizer`'s update rule on `variables` in the current context,
-    without the all-reduce and `merge_call` of Keras' TensorFlow optimizer."""
+    """Runs the update rule of `optimizer`, a Keras optimizer that is not
+    tf_agn's, on `variables` in the current context, without the all-reduce
+    and `merge_call` of Keras' TensorFlow optimizer.
+
+    Raises:
+        ValueError: for an optimizer whose class keeps state in its own
+            `_backend_update_step` (Keras' Nadam), which this would skip.
+    """
+    for cls in type(optimizer).__mro__:
+        if cls is keras.optimizers.Optimizer:
+            break
+        if "_backend_update_step" in vars(cls):
+            raise ValueError(
+                f"{cls.__name__} updates state of its own once per step, which "
+                "tf_agn cannot run on its own here (a windowed optimizer's "
+                "outer optimizer, a parameter-server worker's inner one); use "
+                "another optimizer, such as Adam, there."
+            )
     _keras_base_optimizer.BaseOptimizer._backend_update_step(
         optimizer, grads, variables, learning_rate
     )
-
-
-def apply_weight_decay_in_place(optimizer, variables):
-    """Applies `optimizer`'s weight decay to `variables` in the current
-    context (each replica's own copy, in replica context)."""
-    _keras_base_optimizer.BaseOptimizer._apply_weight_decay(optimizer, variables)
 
 
 def clip_gradients_in_place(optimizer, grads):
@@ -331,6 +369,8 @@ OVERRIDDEN_PRIVATE_METHODS = {
     "all-reduce (test_aggregating_overrides_keras_optimizer_hooks).",
     "_apply_weight_decay": "`apply` decays with it through `merge_call` "
     "(test_aggregating_overrides_keras_optimizer_hooks).",
+    # tf_agn._compat.InPlaceUpdates overrides the last two as well, after
+    # the Keras class (test_in_place_updates_run_a_keras_classs_own_update_step).
     # tf_agn.AggregatingAllReduce: hooks of tf.distribute.CrossDeviceOps.
     "_all_reduce": "a strategy's replica-context all-reduce in a traced step "
     "(MultiWorkerMirroredStrategy; MirroredStrategy in XLA on GPUs) calls it "

@@ -54,9 +54,9 @@ class Aggregating:
     `tf_agn.replica_weights`). With the others every replica applies the
     same combined gradient, so the copies stay equal.
 
-    Mix it in before the Keras class: `class Adam(Aggregating,
-    keras.optimizers.Adam)`; `tf_agn.optimizers.Adam`, `SGD`, `AdamW` and
-    `RMSprop` are built that way.
+    `aggregating_class(keras.optimizers.Lion)` mixes it into any Keras
+    optimizer class; `tf_agn.optimizers.Adam`, `SGD`, `AdamW` and `RMSprop`
+    are built that way.
 
     Args:
         aggregation_method: an `AggregationMethod` or its name. None (the
@@ -228,18 +228,13 @@ class Aggregating:
             self._clipping_deferred = False
 
     def _apply_window(self, grads, trainable_variables):
-        self._apply_weight_decay(trainable_variables)
+        _compat.apply_weight_decay(self, trainable_variables)
         self._apply_combined(grads, trainable_variables, self.learning_rate)
 
     def _clip_gradients(self, grads):
         if self._clipping_deferred:
             return grads
         return super()._clip_gradients(grads)
-
-    def _apply_weight_decay(self, variables):
-        # The backend-agnostic version updates each replica's copy in replica
-        # context, without the `merge_call` of Keras' TF backend.
-        _compat.apply_weight_decay_in_place(self, variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         arguments = self.compression_arguments(trainable_variables)
@@ -255,7 +250,9 @@ class Aggregating:
 
     def _apply_combined(self, grads, trainable_variables, learning_rate):
         grads = _compat.clip_gradients_in_place(self, grads)
-        _compat.update_step_in_place(self, grads, trainable_variables, learning_rate)
+        # Through the Keras class's own `_backend_update_step`, if it has
+        # one, to `_compat.InPlaceUpdates`'.
+        super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def get_config(self):
         config = super().get_config()
@@ -290,23 +287,23 @@ def _register(cls):
 
 
 @_register
-class SGD(Aggregating, keras.optimizers.SGD):
+class SGD(Aggregating, keras.optimizers.SGD, _compat.InPlaceUpdates):
     """`keras.optimizers.SGD` with an `aggregation_method` (see `Aggregating`)."""
 
 
 @_register
-class Adam(Aggregating, keras.optimizers.Adam):
+class Adam(Aggregating, keras.optimizers.Adam, _compat.InPlaceUpdates):
     """`keras.optimizers.Adam` with an `aggregation_method` (see `Aggregating`)."""
 
 
 @_register
-class AdamW(Aggregating, keras.optimizers.AdamW):
+class AdamW(Aggregating, keras.optimizers.AdamW, _compat.InPlaceUpdates):
     """`keras.optimizers.AdamW` with an `aggregation_method` (see
     `Aggregating`)."""
 
 
 @_register
-class RMSprop(Aggregating, keras.optimizers.RMSprop):
+class RMSprop(Aggregating, keras.optimizers.RMSprop, _compat.InPlaceUpdates):
     """`keras.optimizers.RMSprop` with an `aggregation_method` (see
     `Aggregating`)."""
 
@@ -336,6 +333,6 @@ def aggregating_class(optimizer_class):
         return _DROP_INS[optimizer_class]
     return type(
         optimizer_class.__name__,
-        (Aggregating, optimizer_class),
+        (Aggregating, optimizer_class, _compat.InPlaceUpdates),
         {"__doc__": optimizer_class.__doc__},
     )
