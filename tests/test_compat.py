@@ -124,6 +124,8 @@ def test_update_step_in_place_refuses_what_it_would_skip():
     optimizer.build([variable])
     with pytest.raises(ValueError, match="Nadam updates state of its own once per step"):
         _compat.update_step_in_place(optimizer, [tf.ones(2)], [variable], 0.1)
+    with pytest.raises(ValueError, match="Nadam updates state of its own once per step"):
+        tf_agn.optimizers.AGN(outer_optimizer=keras.optimizers.Nadam())
 
 
 def test_slots_created_plainly_is_scoped():

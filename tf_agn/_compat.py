@@ -233,8 +233,20 @@ def update_step_in_place(optimizer, grads, variables, learning_rate):
     and `merge_call` of Keras' TensorFlow optimizer.
 
     Raises:
+        ValueError: as `check_updates_in_place`.
+    """
+    check_updates_in_place(optimizer)
+    _keras_base_optimizer.BaseOptimizer._backend_update_step(
+        optimizer, grads, variables, learning_rate
+    )
+
+
+def check_updates_in_place(optimizer):
+    """Raises unless `update_step_in_place` runs all of `optimizer`'s update.
+
+    Raises:
         ValueError: for an optimizer whose class keeps state in its own
-            `_backend_update_step` (Keras' Nadam), which this would skip.
+            `_backend_update_step` (Keras' Nadam), which it would skip.
     """
     for cls in type(optimizer).__mro__:
         if cls is keras.optimizers.Optimizer:
@@ -246,9 +258,6 @@ def update_step_in_place(optimizer, grads, variables, learning_rate):
                 "outer optimizer, a parameter-server worker's inner one); use "
                 "another optimizer, such as Adam, there."
             )
-    _keras_base_optimizer.BaseOptimizer._backend_update_step(
-        optimizer, grads, variables, learning_rate
-    )
 
 
 def clip_gradients_in_place(optimizer, grads):

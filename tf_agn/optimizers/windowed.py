@@ -387,6 +387,7 @@ def _check_outer_optimizer(outer_optimizer):
             "outer_optimizer must be a keras.optimizers.Optimizer; received "
             f"{outer_optimizer!r}."
         )
+    _compat.check_updates_in_place(outer_optimizer)
     rate = _compat.learning_rate_source(outer_optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return
