@@ -1,7 +1,7 @@
 """A gradient's road, from a tf_agn optimizer to the op that carries it
 between replicas, passes through at most `MAX_FRAMES` of tf_agn's frames,
-on every transport, with every compressor, with accumulation and in a
-windowed optimizer's commit.
+on every transport, with every compressor, with accumulation, with sharded
+state and in a windowed optimizer's commit.
 
 The stack is captured where the op is created: a collective op of the
 collective transport, or the compiled sum, stack or concatenation that
@@ -118,6 +118,7 @@ CONFIGURATIONS = {
     "distributed_lion": lambda: tf_agn.optimizers.DistributedOptimizer(
         keras.optimizers.Lion(1e-3), compression="int8"
     ),
+    "adam_sharded": lambda: tf_agn.optimizers.Adam(shard_optimizer_state=True),
     "agn_int8": lambda: tf_agn.optimizers.AGN(
         keras.optimizers.SGD(0.1), local_steps=1, compression="int8"
     ),

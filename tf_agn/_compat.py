@@ -276,6 +276,14 @@ def accumulator_of(optimizer, variable):
     return optimizer._accumulated_gradients[variable_index(optimizer, variable)]
 
 
+def register_variable_alias(optimizer, alias, variable):
+    """Makes `optimizer` find `variable`'s state when its `update_step` is
+    given `alias` (a variable holding one replica's part of it)."""
+    optimizer._trainable_variables_indices[optimizer._var_key(alias)] = variable_index(
+        optimizer, variable
+    )
+
+
 def variable_index(optimizer, variable):
     """The position of the trainable `variable` among those `optimizer`
     was built with."""

@@ -22,10 +22,13 @@ from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.compression_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
+from tf_agn.optimizers.sharding import ShardedState
+from tf_agn.optimizers.sharding import check_shardable
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
 from tf_agn.replica_aggregation import default_compression
 from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import tf_agn_ops
 
 
 class Aggregating:
@@ -82,6 +85,10 @@ class Aggregating:
             replica's k micro-step gradients are combined: "mean" (default,
             Keras' own: a step on a k times larger batch) or "sum" (k times
             the gradient: divide the learning rate by k to compensate).
+        shard_optimizer_state: whether each of n replicas keeps and updates
+            1/n of the optimizer's state (ZeRO stage 1; see
+            `tf_agn.optimizers.sharding`), under tf_agn's strategies, for
+            element-wise optimizers, with SUM or MEAN.
         *args, **kwargs: the Keras optimizer's own arguments, among them
             `gradient_accumulation_steps` (None or an int >= 1; 1 means
             every step).
@@ -101,6 +108,7 @@ class Aggregating:
         "accumulation_reduction",
         "compression",
         "sparse_gradients",
+        "shard_optimizer_state",
     )
 
     def __init__(
@@ -110,6 +118,7 @@ class Aggregating:
         accumulation_reduction="mean",
         compression=None,
         sparse_gradients=None,
+        shard_optimizer_state=False,
         **kwargs,
     ):
         if "gradient_accumulation_steps" in kwargs:
@@ -125,6 +134,8 @@ class Aggregating:
         )
         self.compression = compression_lib.get(compression)
         self.sparse_gradients = check_sparse_gradients(sparse_gradients)
+        self.shard_optimizer_state = bool(shard_optimizer_state)
+        self._sharded = None
         if self.gradient_accumulation_steps and self.use_ema:
             raise ValueError(
                 "tf_agn's optimizers do not combine gradient_accumulation_steps "
@@ -163,7 +174,19 @@ class Aggregating:
             variables,
             [declared_sparse(sparse, v) for v in variables],
         )
+        if self.shard_optimizer_state:
+            check_shardable(self, method, compressor)
+            strategy = _compat.creation_strategy(self)
+            if strategy.num_replicas_in_sync > 1:
+                # Before Keras's own build, which asks for the state.
+                self._sharded = ShardedState(
+                    self, variables, strategy.num_replicas_in_sync,
+                    tf_agn_ops(strategy).bytes_per_pack,
+                )
         super().build(variables)
+        if self._sharded is not None:
+            for variable, part in zip(variables, self._sharded.variables):
+                _compat.register_variable_alias(self, part, variable)
         self._communication = CommunicationCounter(self)
         self._compression_state = add_compression_state(self, variables, compressor, sparse)
 
@@ -207,6 +230,14 @@ class Aggregating:
         # replica-local (see `tf_agn.optimizers.accumulation`).
         if name == _compat.KERAS_ACCUMULATOR_NAME:
             return add_accumulator(self, reference_variable, self.resolved_aggregation)
+        if self._sharded is not None:
+            # The state of this replica's part alone, named as Keras names
+            # the whole variable's.
+            part = self._sharded.part_of(reference_variable)
+            return self.add_variable(
+                shape=part.shape, initializer=initializer, dtype=part.dtype,
+                name=_compat.reference_variable_name(reference_variable, name or "var"),
+            )
         return super().add_variable_from_reference(
             reference_variable, name=name, initializer=initializer
         )
@@ -237,6 +268,12 @@ class Aggregating:
         return super()._clip_gradients(grads)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if self._sharded is not None:
+            self._sharded.apply(
+                self, grads, trainable_variables,
+                lambda parts, variables: self._apply_combined(parts, variables, learning_rate),
+            )
+            return
         arguments = self.compression_arguments(trainable_variables)
         check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
         grads = aggregate(
@@ -254,6 +291,25 @@ class Aggregating:
         # one, to `_compat.InPlaceUpdates`'.
         super()._backend_update_step(grads, trainable_variables, learning_rate)
 
+    def save_own_variables(self, store):
+        self._check_not_sharded("save")
+        super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self._check_not_sharded("load")
+        super().load_own_variables(store)
+
+    def _check_not_sharded(self, verb):
+        # Each replica holds its own part of the state; a .keras file holds
+        # one value per variable.
+        if self._sharded is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}(shard_optimizer_state=True) cannot {verb} "
+                "its state in a .keras file yet: each replica holds its own "
+                "part. tf_agn.callbacks.BackupAndRestore keeps every part; or "
+                "train with shard_optimizer_state=False to save the model whole."
+            )
+
     def get_config(self):
         config = super().get_config()
         method = self.aggregation_method
@@ -261,6 +317,7 @@ class Aggregating:
         config["accumulation_reduction"] = self.accumulation_reduction
         config["compression"] = compression_lib.serialize(self.compression)
         config["sparse_gradients"] = self.sparse_gradients
+        config["shard_optimizer_state"] = self.shard_optimizer_state
         return config
 
 

@@ -59,6 +59,9 @@ class DistributedOptimizer(WrappingOptimizer):
             tf_agn's), or a list of regular expressions naming the
             variables whose gradients are sparse, which get no compressor
             state; see `tf_agn.optimizers.Aggregating`.
+        shard_optimizer_state: None (the wrapped optimizer's own if it is
+            one of tf_agn's, else False), or whether each replica keeps 1/n
+            of the optimizer's state; see `tf_agn.optimizers.Aggregating`.
         name: the wrapper's name.
         **kwargs: more arguments of `keras.optimizers.Optimizer` for the
             wrapper (`learning_rate` is refused).
@@ -82,6 +85,7 @@ class DistributedOptimizer(WrappingOptimizer):
         accumulation_reduction=None,
         compression=None,
         sparse_gradients=None,
+        shard_optimizer_state=None,
         **kwargs,
     ):
         # Before the settings, which read the optimizer's config.
@@ -91,6 +95,7 @@ class DistributedOptimizer(WrappingOptimizer):
             "accumulation_reduction": (accumulation_reduction, check_accumulation_reduction),
             "compression": (compression, _compression_value),
             "sparse_gradients": (sparse_gradients, check_sparse_gradients),
+            "shard_optimizer_state": (shard_optimizer_state, bool),
         }
         settings = {
             setting: _setting_with(optimizer, setting, value, canonical)
@@ -98,6 +103,8 @@ class DistributedOptimizer(WrappingOptimizer):
         }
         if settings["accumulation_reduction"] is None:
             settings["accumulation_reduction"] = "mean"
+        if settings["shard_optimizer_state"] is None:
+            settings["shard_optimizer_state"] = False
         if gradient_accumulation_steps is not None:
             own = getattr(optimizer, "gradient_accumulation_steps", None)
             if own not in (None, gradient_accumulation_steps):
@@ -134,6 +141,7 @@ class DistributedOptimizer(WrappingOptimizer):
             "accumulation_reduction": inner.accumulation_reduction,
             "compression": compression_lib.serialize(inner.compression),
             "sparse_gradients": inner.sparse_gradients,
+            "shard_optimizer_state": inner.shard_optimizer_state,
         }
 
 
@@ -146,7 +154,7 @@ def _setting_with(optimizer, setting, value, canonical):
     if not isinstance(optimizer, Aggregating):
         return given
     own = optimizer.get_config()[setting]
-    if own is None:
+    if own is None or own is False:
         return given
     if given is None or given == own:
         return own

@@ -1,0 +1,171 @@
+"""Sharded optimizer state (`shard_optimizer_state=True`): each of 4
+replicas keeps 1/4 of the state, and training is the unsharded optimizer's.
+
+Over 50 steps of `model.fit` under `tf_agn.strategies.mirrored()` on 4
+logical CPUs, the weight change w_T - w_0 and the optimizer's state,
+gathered from every replica's part, equal those of the same optimizer
+unsharded within 1e-6 by norm, tensor by tensor.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_agn
+from compression_model import build
+from compression_model import data
+from conftest import DEVICES
+
+STEPS = 50
+BATCH = 64
+N = len(DEVICES)
+TOLERANCE = 1e-6
+
+OPTIMIZERS = {
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "adamax": lambda: keras.optimizers.Adamax(1e-2),
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "lion": lambda: keras.optimizers.Lion(1e-3),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=1e-3),
+}
+
+
+def train(strategy, make_optimizer, shard, method="mean"):
+    model = build(
+        strategy,
+        lambda: tf_agn.optimizers.DistributedOptimizer(
+            make_optimizer(), aggregation_method=method, shard_optimizer_state=shard
+        ),
+    )
+    before = model.get_weights()
+    x, y = data(rows=STEPS * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    change = [after - start for after, start in zip(model.get_weights(), before)]
+    return model, change
+
+
+def whole_state(model, plain):
+    """Every optimizer variable of `model` as `plain`'s unsharded optimizer
+    holds it: a sharded variable's parts, one per replica, joined and
+    unpadded. Also returns the elements one replica holds, and `plain`'s."""
+    strategy = model.distribute_strategy
+    state, held, plain_held = [], 0, 0
+    for variable, like in zip(model.optimizer.variables, plain.optimizer.variables, strict=True):
+        copies = [t.numpy() for t in strategy.experimental_local_results(variable.value)]
+        held += copies[0].size
+        plain_held += int(np.prod(like.shape))
+        if copies[0].shape != tuple(like.shape):
+            whole = np.concatenate(copies)[: int(np.prod(like.shape))]
+            state.append(whole.reshape(like.shape))
+        else:
+            state.append(copies[0])
+    return state, held, plain_held
+
+
+def relative(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norm = np.linalg.norm(want)
+    return np.linalg.norm(got - want) / norm if norm else np.linalg.norm(got)
+
+
+def assert_same_training(sharded, unsharded):
+    """Returns the elements of state one replica holds, sharded and not."""
+    (model, change), (plain, plain_change) = sharded, unsharded
+    for got, want in zip(change, plain_change):
+        assert relative(got, want) <= TOLERANCE
+    state, held, plain_held = whole_state(model, plain)
+    for got, want, variable in zip(state, [v.numpy() for v in plain.optimizer.variables], plain.optimizer.variables):
+        assert relative(got, want) <= TOLERANCE, variable.path
+    return held, plain_held
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_elementwise_optimizer_trains_as_unsharded(name):
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport="local")
+    sharded = train(strategy, OPTIMIZERS[name], True)
+    held, plain_held = assert_same_training(sharded, train(strategy, OPTIMIZERS[name], False))
+    # Each replica holds a quarter of the state (padding to whole parts of
+    # 1539 weights' state, and a few scalars, aside).
+    scalars = len([v for v in sharded[0].optimizer.variables if not v.shape])
+    assert held - scalars <= (plain_held - scalars) / N + 4 * (plain_held // 1539)
+
+
+@pytest.mark.parametrize("transport", ["local", "collective"])
+@pytest.mark.parametrize("method", ["sum", "mean"])
+def test_sum_and_mean_on_both_transports(transport, method):
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
+    make = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
+    assert_same_training(train(strategy, make, True, method), train(strategy, make, False, method))
+
+
+def test_update_step_receives_each_replicas_part():
+    seen = []
+
+    class Recording(keras.optimizers.SGD):
+        elementwise = True
+
+        def update_step(self, gradient, variable, learning_rate):
+            seen.append((tuple(gradient.shape), tuple(variable.shape)))
+            super().update_step(gradient, variable, learning_rate)
+
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport="local")
+    train(strategy, lambda: Recording(0.1, momentum=0.5), True)
+    # The 20x64 kernel, the 64 bias, the 64x3 kernel, the 3 bias (padded to
+    # 4): a quarter each.
+    assert set(seen) == {((320,), (320,)), ((16,), (16,)), ((48,), (48,)), ((1,), (1,))}
+
+
+def test_one_replica_is_the_plain_optimizer():
+    strategy = tf.distribute.get_strategy()
+    model, change = train(strategy, OPTIMIZERS["adam"], True)
+    plain, plain_change = train(strategy, OPTIMIZERS["adam"], False)
+    for got, want in zip(change, plain_change):
+        np.testing.assert_array_equal(got, want)
+    assert [v.shape for v in model.optimizer.variables] == [v.shape for v in plain.optimizer.variables]
+
+
+def test_clipvalue_shards_elementwise():
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport="local")
+    make = lambda: keras.optimizers.SGD(0.1, clipvalue=0.01)  # noqa: E731
+    assert_same_training(train(strategy, make, True), train(strategy, make, False))
+
+
+@pytest.mark.parametrize(
+    "make, method, message",
+    [
+        (lambda: keras.optimizers.Adafactor(), "mean", "Adafactor's update_step is not one of Keras's element-wise"),
+        (lambda: keras.optimizers.Adam(), "none", "aggregation NONE"),
+        (lambda: keras.optimizers.Adam(), "only_first_replica", "aggregation ONLY_FIRST_REPLICA"),
+        (lambda: keras.optimizers.Adam(clipnorm=1.0), "mean", "clipnorm and global_clipnorm"),
+        (lambda: keras.optimizers.Adam(use_ema=True), "mean", "use_ema=True"),
+        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "mean", "gradient_accumulation_steps"),
+    ],
+)
+def test_what_cannot_shard_is_refused_by_name(make, method, message):
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    with pytest.raises(ValueError, match=message):
+        train(strategy, make, True, method)
+
+
+def test_compression_and_stock_strategies_are_refused_by_name():
+    with pytest.raises(ValueError, match="compression='int8'"):
+        build(
+            tf_agn.strategies.mirrored(DEVICES),
+            lambda: tf_agn.optimizers.SGD(0.1, compression="int8", shard_optimizer_state=True),
+        ).fit(*data(rows=BATCH), batch_size=BATCH, verbose=0)
+    stock = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with pytest.raises(ValueError, match="MirroredStrategy without tf_agn's cross-device ops"):
+        train(stock, OPTIMIZERS["adam"], True)
+
+
+def test_a_sharded_state_is_not_saved_as_one_value(tmp_path):
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    model, _ = train(strategy, OPTIMIZERS["adam"], True)
+    with pytest.raises(NotImplementedError, match="cannot save its state in a .keras file yet"):
+        model.save(tmp_path / "sharded.keras")

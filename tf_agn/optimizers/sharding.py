@@ -1,0 +1,177 @@
+"""Sharded optimizer state (ZeRO stage 1): each of n replicas keeps and
+updates 1/n of the optimizer's state.
+
+With `shard_optimizer_state=True` a tf_agn optimizer splits every trainable
+variable, flattened and padded to a multiple of n, into n equal parts;
+replica r owns part r of each. Its state (Adam's moments, momentum) is made
+for the parts only, so each replica holds 1/n of it. Each step:
+
+1. the replicas' gradients are reduce-scattered: each replica receives the
+   combination (SUM or MEAN) of its parts only;
+2. the optimizer's own `update_step` updates the parts, with the parts of
+   its state;
+3. the updated parts are all-gathered into every replica's copy of the
+   weights.
+
+A reduce-scatter and an all-gather move what one all-reduce moves. Weight
+decay is applied to every replica's whole copy before, as without
+sharding, and the weights every replica holds stay equal.
+
+Example:
+
+```python
+with tf_agn.strategies.mirrored().scope():
+    model = make_model()
+    model.compile(tf_agn.optimizers.Adam(1e-3, shard_optimizer_state=True), loss="mse")
+```
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_agn import _compat
+from tf_agn import packing
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.replica_aggregation import all_gather
+from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import reduce_scatter
+from tf_agn.replica_aggregation import tf_agn_ops
+
+# Keras's optimizers whose update of each element reads that element's
+# gradient, weight and state only.
+ELEMENTWISE = (
+    keras.optimizers.SGD,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.Lion,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
+)
+
+
+def is_elementwise(optimizer):
+    """Whether `optimizer`'s update rule acts element by element: its class
+    says so (`elementwise = True`), or its `update_step` is that of one of
+    Keras's element-wise optimizers."""
+    if getattr(type(optimizer), "elementwise", False):
+        return True
+    return any(type(optimizer).update_step is known.update_step for known in ELEMENTWISE)
+
+
+def check_shardable(optimizer, method, compressor):
+    """Raises unless `optimizer` can shard its state with `method` and
+    `compressor` under its strategy.
+
+    Raises:
+        ValueError: naming what cannot be sharded and why.
+    """
+    name = type(optimizer).__name__
+    problems = []
+    if not is_elementwise(optimizer):
+        problems.append(
+            f"{name}'s update_step is not one of Keras's element-wise rules (a "
+            "per-tensor rule, such as Adafactor's factored moments or a "
+            "layer-wise trust ratio, needs whole tensors); a class of your own "
+            "that updates element by element can say so with elementwise = True"
+        )
+    if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
+        problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
+    if compressor is not None:
+        problems.append(f"compression={compressor.name!r} (not yet with sharding)")
+    if optimizer.gradient_accumulation_steps:
+        problems.append("gradient_accumulation_steps (not yet with sharding)")
+    if optimizer.use_ema:
+        problems.append("use_ema=True (not yet with sharding)")
+    if optimizer.clipnorm or optimizer.global_clipnorm:
+        problems.append("clipnorm and global_clipnorm (not yet with sharding; clipvalue shards)")
+    strategy = _compat.creation_strategy(optimizer)
+    if strategy.num_replicas_in_sync > 1 and tf_agn_ops(strategy) is None:
+        problems.append(
+            f"{type(strategy).__name__} without tf_agn's cross-device ops "
+            "(use tf_agn.strategies.mirrored or multi_worker_mirrored)"
+        )
+    if problems:
+        raise ValueError(
+            f"{name}(shard_optimizer_state=True) cannot shard with: "
+            + "; ".join(problems) + "."
+        )
+
+
+class ShardedState:
+    """Each trainable variable's part on this replica, and the sharded step.
+
+    Args:
+        optimizer: the tf_agn optimizer whose state is sharded, being built.
+        variables: the trainable variables it is built for.
+        num_replicas: n, the replicas in sync.
+        bytes_per_pack: the most bytes one reduce-scatter carries.
+    """
+
+    def __init__(self, optimizer, variables, num_replicas, bytes_per_pack):
+        self.num_replicas = num_replicas
+        self.sizes = [int(np.prod(v.shape)) for v in variables]
+        self.parts = [-(-size // num_replicas) for size in self.sizes]
+        # The part each replica updates: a scratch variable per trainable
+        # one, refreshed from the weights every step, so that weights set
+        # from outside (loading, `set_weights`) are what the step updates.
+        self.variables = [
+            keras.Variable(
+                tf.zeros([part], v.dtype), trainable=False, name=v.name, aggregation="none"
+            )
+            for v, part in zip(variables, self.parts)
+        ]
+        self._index = {id(v): i for i, v in enumerate(variables)}
+        sizes = [(tf.as_dtype(v.dtype), part * num_replicas) for v, part in zip(variables, self.parts)]
+        self.packs = packing.plan_packs(sizes, bytes_per_pack)
+
+    def part_of(self, variable):
+        """The scratch variable of `variable`'s part, whose shape the
+        optimizer's state for `variable` takes."""
+        return self.variables[self._index[id(variable)]]
+
+    def apply(self, optimizer, grads, variables, update):
+        """One sharded step, in replica context.
+
+        Args:
+            optimizer: the tf_agn optimizer.
+            grads: this replica's gradients of `variables`.
+            variables: the trainable variables, in the order built.
+            update: `update(grads, variables)` runs the optimizer's update
+                rule on the parts.
+        """
+        method = optimizer.resolved_aggregation
+        rows = [self._rows(g, i) for i, g in enumerate(grads)]
+        # As an all-reduce: the reduce-scatter and the all-gather move its
+        # volume between them.
+        optimizer._communication.record(sum(r.shape.num_elements() * r.dtype.size for r in rows))
+        combined = [None] * len(grads)
+        for pack in self.packs:
+            (summed,) = reduce_scatter(
+                [tf.concat([rows[i] for i in pack], 1)], method, gradient_scale()
+            )
+            for i, part in zip(pack, tf.split(summed, [self.parts[i] for i in pack])):
+                combined[i] = part
+        rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+        for i, (variable, part) in enumerate(zip(variables, self.variables)):
+            part.assign(tf.gather(self._rows(variable, i), rank))
+        update(combined, self.variables)
+        for pack in self.packs:
+            (gathered,) = all_gather([tf.concat([self.variables[i] for i in pack], 0)])
+            columns = tf.split(
+                tf.reshape(gathered, [self.num_replicas, -1]), [self.parts[i] for i in pack], 1
+            )
+            for i, column in zip(pack, columns):
+                whole = tf.reshape(column, [-1])[: self.sizes[i]]
+                variables[i].assign(tf.reshape(whole, variables[i].shape))
+
+    def _rows(self, tensor, index):
+        """`tensor` (of trainable variable `index`), flat, padded to n
+        parts, as n rows."""
+        flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
+        padding = self.parts[index] * self.num_replicas - self.sizes[index]
+        return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
