@@ -269,9 +269,12 @@ class Aggregating:
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if self._sharded is not None:
+            # It clips the parts itself, with norms across replicas.
             self._sharded.apply(
                 self, grads, trainable_variables,
-                lambda parts, variables: self._apply_combined(parts, variables, learning_rate),
+                lambda parts, variables: super(Aggregating, self)._backend_update_step(
+                    parts, variables, learning_rate
+                ),
             )
             return
         arguments = self.compression_arguments(trainable_variables)

@@ -15,7 +15,8 @@ for the parts only, so each replica holds 1/n of it. Each step:
 
 A reduce-scatter and an all-gather move what one all-reduce moves. Weight
 decay is applied to every replica's whole copy before, as without
-sharding, and the weights every replica holds stay equal.
+sharding; `clipnorm` and `global_clipnorm` clip the parts by the whole
+gradients' norms; the weights every replica holds stay equal.
 
 Example:
 
@@ -33,6 +34,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import gradient_scale
 from tf_agn.replica_aggregation import reduce_scatter
@@ -87,8 +89,6 @@ def check_shardable(optimizer, method, compressor):
         problems.append("gradient_accumulation_steps (not yet with sharding)")
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")
-    if optimizer.clipnorm or optimizer.global_clipnorm:
-        problems.append("clipnorm and global_clipnorm (not yet with sharding; clipvalue shards)")
     strategy = _compat.creation_strategy(optimizer)
     if strategy.num_replicas_in_sync > 1 and tf_agn_ops(strategy) is None:
         problems.append(
@@ -156,6 +156,7 @@ class ShardedState:
             )
             for i, part in zip(pack, tf.split(summed, [self.parts[i] for i in pack])):
                 combined[i] = part
+        combined = self._clipped(optimizer, combined)
         rank = tf.distribute.get_replica_context().replica_id_in_sync_group
         for i, (variable, part) in enumerate(zip(variables, self.variables)):
             part.assign(tf.gather(self._rows(variable, i), rank))
@@ -168,6 +169,35 @@ class ShardedState:
             for i, column in zip(pack, columns):
                 whole = tf.reshape(column, [-1])[: self.sizes[i]]
                 variables[i].assign(tf.reshape(whole, variables[i].shape))
+
+    def _clipped(self, optimizer, parts):
+        """`parts` clipped as `optimizer` clips whole gradients, with norms
+        taken over every replica's parts."""
+        # Keras's and TensorFlow's formulas (`clip_by_global_norm`,
+        # `tf.clip_by_norm`), on norms that one all-reduce of each part's
+        # sum of squares completes.
+        if optimizer.clipnorm and optimizer.clipnorm > 0:
+            norms = self._norms(parts)
+            return [
+                p * optimizer.clipnorm / tf.maximum(tf.cast(n, p.dtype), optimizer.clipnorm)
+                for p, n in zip(parts, tf.unstack(norms))
+            ]
+        if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+            norm = tf.norm(self._norms(parts))
+            clip = optimizer.global_clipnorm
+            scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+            return [p * tf.cast(scale, p.dtype) for p in parts]
+        if optimizer.clipvalue and optimizer.clipvalue > 0:
+            value = optimizer.clipvalue
+            return [tf.clip_by_value(p, -value, value) for p in parts]
+        return parts
+
+    def _norms(self, parts):
+        """Each variable's whole gradient's L2 norm, from `parts`."""
+        squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(p, tf.float32))) for p in parts])
+        (squares,) = aggregate([squares], AggregationMethod.SUM)
+        # As `tf.clip_by_norm`: a sum of 0 (or NaN) is its own norm.
+        return tf.where(squares > 0, tf.sqrt(tf.where(squares > 0, squares, 1.0)), squares)
 
     def _rows(self, tensor, index):
         """`tensor` (of trainable variable `index`), flat, padded to n
