@@ -227,6 +227,12 @@ def apply_weight_decay(optimizer, variables):
     optimizer._apply_weight_decay(variables)
 
 
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable` (not excluded by name or by
+    `exclude_from_weight_decay`)."""
+    return optimizer._use_weight_decay(variable)
+
+
 def update_step_in_place(optimizer, grads, variables, learning_rate):
     """Runs the update rule of `optimizer`, a Keras optimizer that is not
     tf_agn's, on `variables` in the current context, without the all-reduce

@@ -185,7 +185,7 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
     return _regroup_each(zip(*combined)), new_states
 
 
-def reduce_scatter(tensors, method, value_scale=1):
+def reduce_scatter(tensors, method, value_scale=1, when=None):
     """This replica's row of every replica's tensors, combined with `method`.
 
     Call it in replica context under tf_agn's `AggregatingAllReduce`
@@ -198,6 +198,9 @@ def reduce_scatter(tensors, method, value_scale=1):
             the replicas in sync: row r is for replica r.
         method: SUM or MEAN, or their names.
         value_scale: a Python number every value is multiplied by first.
+        when: None, or a scalar boolean tensor with the same value on every
+            replica: where it is false nothing travels, and the results
+            are not the combination (see `aggregate`).
 
     Returns:
         For each tensor, this replica's row of the combination.
@@ -209,16 +212,18 @@ def reduce_scatter(tensors, method, value_scale=1):
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         raise ValueError(f"reduce_scatter combines by SUM or MEAN; received {method.name}.")
     return _pattern(
-        "reduce_scatter", tensors, lambda t: scale_value(t[0], value_scale), method, value_scale
+        "reduce_scatter", tensors, lambda t: scale_value(t[0], value_scale), when,
+        method, value_scale,
     )
 
 
-def all_gather(tensors):
+def all_gather(tensors, when=None):
     """Every replica's tensors, concatenated along their first axis in
     replica order, as `reduce_scatter` asks (its counterpart).
 
     Args:
         tensors: this replica's tensors, of the same shape on every replica.
+        when: as `reduce_scatter` takes it.
 
     Returns:
         For each tensor, the concatenation.
@@ -226,10 +231,10 @@ def all_gather(tensors):
     Raises:
         ValueError: under other cross-device ops.
     """
-    return _pattern("all_gather", tensors, lambda t: t)
+    return _pattern("all_gather", tensors, lambda t: t, when)
 
 
-def _pattern(pattern, tensors, alone, method=None, value_scale=1):
+def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
     """`pattern` of `tensors` on the transport of the strategy's ops, in one
     `merge_call`; `alone(tensor)` where this replica is the only one."""
     context = tf.distribute.get_replica_context()
@@ -243,17 +248,36 @@ def _pattern(pattern, tensors, alone, method=None, value_scale=1):
             f"{type(context.strategy).__name__}."
         )
     return context.merge_call(
-        functools.partial(_pattern_merged, ops, pattern, method, value_scale), args=(tensors,)
+        functools.partial(_pattern_merged, ops, pattern, method, value_scale),
+        args=(when, tensors),
     )
 
 
-def _pattern_merged(ops, pattern, method, value_scale, strategy, tensors):
+def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
     """The cross-replica half of `_pattern`."""
     local = strategy.experimental_local_results
     per_replica = [list(replica) for replica in zip(*[local(t) for t in tensors])]
     transport = ops.transport_for(tensors[0])
-    launch = functools.partial(_launch_each, transport, pattern, method, value_scale)
-    results = transport.eager((pattern, method, value_scale), launch)(per_replica)
+    launch = functools.partial(
+        transport.eager((pattern, method, value_scale), functools.partial(
+            _launch_each, transport, pattern, method, value_scale
+        )),
+        per_replica,
+    )
+    if when is None:
+        results = launch()
+    else:
+        # As `_combine_merged`: the condition in cross-replica context. Where
+        # it is false, tensors of the results' shapes stand in.
+        n = transport.size
+
+        def stand_in():
+            return [
+                [t[0] if pattern == "reduce_scatter" else tf.concat([t] * n, 0) for t in replica]
+                for replica in per_replica
+            ]
+
+        results = tf.cond(local(when)[0], launch, stand_in)
     return _regroup_each(zip(*results))
 
 

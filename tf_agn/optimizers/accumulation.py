@@ -107,7 +107,7 @@ def add_accumulator(optimizer, reference_variable, method):
     return variable
 
 
-def accumulate_and_apply(optimizer, grads, variables, apply_window):
+def accumulate_and_apply(optimizer, grads, variables, apply_window, sharded_apply=None):
     """One micro-step of gradient accumulation, in replica context.
 
     Args:
@@ -117,6 +117,9 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         variables: the trainable variables.
         apply_window: `apply_window(grads, variables)` clips, decays and
             updates with the combined window gradient, locally.
+        sharded_apply: where the optimizer's state is sharded,
+            `sharded_apply(window, variables, scale, is_last)` combines,
+            clips, decays and updates it instead.
     """
     # Keras' own accumulation fails under a strategy (keras-team/keras#20582):
     # it all-reduces every micro-step and updates the accumulators through
@@ -129,6 +132,19 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
     ]
     scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
+
+    def accumulate():
+        for accumulator, total in zip(accumulators, window):
+            accumulator.assign(total)
+
+    def reset():
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+
+    if sharded_apply is not None:
+        sharded_apply(window, variables, scale, is_last)
+        tf.cond(is_last, reset, accumulate)
+        return
     # Sends only on the k-th micro-step (`when`).
     combined = aggregate(
         window,
@@ -146,11 +162,6 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         # replica, see `tf_agn.optimizers.loss_scaling`.)
         finite = all_finite(combined)
         tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-
-    def accumulate():
-        for accumulator, total in zip(accumulators, window):
-            accumulator.assign(total)
+        reset()
 
     tf.cond(is_last, apply, accumulate)

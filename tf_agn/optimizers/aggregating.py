@@ -251,7 +251,8 @@ class Aggregating:
         try:
             if self.gradient_accumulation_steps:
                 accumulate_and_apply(
-                    self, grads, trainable_variables, self._apply_window
+                    self, grads, trainable_variables, self._apply_window,
+                    None if self._sharded is None else self._apply_sharded_window,
                 )
             else:
                 super()._backend_apply_gradients(grads, trainable_variables)
@@ -261,6 +262,18 @@ class Aggregating:
     def _apply_window(self, grads, trainable_variables):
         _compat.apply_weight_decay(self, trainable_variables)
         self._apply_combined(grads, trainable_variables, self.learning_rate)
+
+    def _apply_sharded_window(self, window, trainable_variables, scale, window_ends):
+        def update(parts, part_variables):
+            # Weight decay, as `_apply_window`'s, on the parts.
+            decayed = [
+                part for part, variable in zip(part_variables, trainable_variables)
+                if _compat.uses_weight_decay(self, variable)
+            ]
+            _compat.apply_weight_decay(self, decayed)
+            super(Aggregating, self)._backend_update_step(parts, part_variables, self.learning_rate)
+
+        self._sharded.apply(self, window, trainable_variables, update, scale, window_ends)
 
     def _clip_gradients(self, grads):
         if self._clipping_deferred:

@@ -34,6 +34,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.finite import all_finite
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import gradient_scale
@@ -85,8 +86,6 @@ def check_shardable(optimizer, method, compressor):
         problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
     if compressor is not None:
         problems.append(f"compression={compressor.name!r} (not yet with sharding)")
-    if optimizer.gradient_accumulation_steps:
-        problems.append("gradient_accumulation_steps (not yet with sharding)")
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")
     strategy = _compat.creation_strategy(optimizer)
@@ -134,56 +133,84 @@ class ShardedState:
         optimizer's state for `variable` takes."""
         return self.variables[self._index[id(variable)]]
 
-    def apply(self, optimizer, grads, variables, update):
+    def apply(self, optimizer, grads, variables, update, value_scale=1, when=None):
         """One sharded step, in replica context.
 
         Args:
             optimizer: the tf_agn optimizer.
-            grads: this replica's gradients of `variables`.
+            grads: this replica's gradients of `variables` (or, with
+                accumulation, its window).
             variables: the trainable variables, in the order built.
-            update: `update(grads, variables)` runs the optimizer's update
-                rule on the parts.
+            update: `update(parts, part_variables)` runs the optimizer's
+                update rule (and weight decay) on the parts.
+            value_scale: a Python number the gradients are multiplied by
+                first (1/k for the mean of a window of k).
+            when: None, or a scalar boolean tensor, the same on every
+                replica: a window's end. Then nothing travels or changes
+                elsewhere, and a window that is not finite on some replica
+                is skipped on all.
         """
-        method = optimizer.resolved_aggregation
         rows = [self._rows(g, i) for i, g in enumerate(grads)]
         # As an all-reduce: the reduce-scatter and the all-gather move its
         # volume between them.
-        optimizer._communication.record(sum(r.shape.num_elements() * r.dtype.size for r in rows))
+        optimizer._communication.record(
+            sum(r.shape.num_elements() * r.dtype.size for r in rows), when
+        )
         combined = [None] * len(grads)
         for pack in self.packs:
             (summed,) = reduce_scatter(
-                [tf.concat([rows[i] for i in pack], 1)], method, gradient_scale()
+                [tf.concat([rows[i] for i in pack], 1)], optimizer.resolved_aggregation,
+                gradient_scale() * value_scale, when,
             )
             for i, part in zip(pack, tf.split(summed, [self.parts[i] for i in pack])):
                 combined[i] = part
-        combined = self._clipped(optimizer, combined)
+        combined = self._clipped(optimizer, combined, when)
+        if when is not None:
+            # Whether any replica's part is not finite, agreed by all.
+            (non_finite,) = aggregate(
+                [tf.cast(tf.logical_not(all_finite(combined)), tf.float32)],
+                AggregationMethod.SUM, when=when,
+            )
+            when = tf.logical_and(when, tf.equal(non_finite, 0.0))
         rank = tf.distribute.get_replica_context().replica_id_in_sync_group
-        for i, (variable, part) in enumerate(zip(variables, self.variables)):
-            part.assign(tf.gather(self._rows(variable, i), rank))
-        update(combined, self.variables)
+
+        def step():
+            for i, (variable, part) in enumerate(zip(variables, self.variables)):
+                part.assign(tf.gather(self._rows(variable, i), rank))
+            update(combined, self.variables)
+
+        _run_if(when, step)
+        gathered = {}
         for pack in self.packs:
-            (gathered,) = all_gather([tf.concat([self.variables[i] for i in pack], 0)])
+            (gathered[tuple(pack)],) = all_gather(
+                [tf.concat([self.variables[i] for i in pack], 0)], when
+            )
+        _run_if(when, lambda: self._assign_gathered(gathered, variables))
+
+    def _assign_gathered(self, gathered, variables):
+        """Every replica's parts, `all_gather`ed per pack, into `variables`."""
+        for pack, whole_pack in gathered.items():
             columns = tf.split(
-                tf.reshape(gathered, [self.num_replicas, -1]), [self.parts[i] for i in pack], 1
+                tf.reshape(whole_pack, [self.num_replicas, -1]), [self.parts[i] for i in pack], 1
             )
             for i, column in zip(pack, columns):
                 whole = tf.reshape(column, [-1])[: self.sizes[i]]
                 variables[i].assign(tf.reshape(whole, variables[i].shape))
 
-    def _clipped(self, optimizer, parts):
+    def _clipped(self, optimizer, parts, when=None):
         """`parts` clipped as `optimizer` clips whole gradients, with norms
         taken over every replica's parts."""
         # Keras's and TensorFlow's formulas (`clip_by_global_norm`,
         # `tf.clip_by_norm`), on norms that one all-reduce of each part's
         # sum of squares completes.
         if optimizer.clipnorm and optimizer.clipnorm > 0:
-            norms = self._norms(parts)
+            norms = self._norms(parts, when)
             return [
                 p * optimizer.clipnorm / tf.maximum(tf.cast(n, p.dtype), optimizer.clipnorm)
                 for p, n in zip(parts, tf.unstack(norms))
             ]
         if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-            norm = tf.norm(self._norms(parts))
+            norm = tf.norm(self._norms(parts, when))
             clip = optimizer.global_clipnorm
             scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
             return [p * tf.cast(scale, p.dtype) for p in parts]
@@ -192,10 +219,10 @@ class ShardedState:
             return [tf.clip_by_value(p, -value, value) for p in parts]
         return parts
 
-    def _norms(self, parts):
+    def _norms(self, parts, when):
         """Each variable's whole gradient's L2 norm, from `parts`."""
         squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(p, tf.float32))) for p in parts])
-        (squares,) = aggregate([squares], AggregationMethod.SUM)
+        (squares,) = aggregate([squares], AggregationMethod.SUM, when=when)
         # As `tf.clip_by_norm`: a sum of 0 (or NaN) is its own norm.
         return tf.where(squares > 0, tf.sqrt(tf.where(squares > 0, squares, 1.0)), squares)
 
@@ -205,3 +232,11 @@ class ShardedState:
         flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
         padding = self.parts[index] * self.num_replicas - self.sizes[index]
         return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
+
+
+def _run_if(when, function):
+    """`function()`, where `when` (if given) is true."""
+    if when is None:
+        function()
+    else:
+        tf.cond(when, lambda: function() or tf.constant(True), lambda: tf.constant(False))
