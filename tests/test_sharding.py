@@ -36,11 +36,11 @@ OPTIMIZERS = {
 }
 
 
-def train(strategy, make_optimizer, shard, method="mean"):
+def train(strategy, make_optimizer, shard, method="mean", **settings):
     model = build(
         strategy,
         lambda: tf_agn.optimizers.DistributedOptimizer(
-            make_optimizer(), aggregation_method=method, shard_optimizer_state=shard
+            make_optimizer(), aggregation_method=method, shard_optimizer_state=shard, **settings
         ),
     )
     before = model.get_weights()
@@ -190,18 +190,7 @@ def test_accumulation_reduce_scatters_each_window_once(reduction):
         optimizer.exclude_from_weight_decay(var_names=["bias"])
         return optimizer
 
-    def train_accumulating(shard):
-        model = build(
-            strategy,
-            lambda: tf_agn.optimizers.DistributedOptimizer(
-                make(), accumulation_reduction=reduction, shard_optimizer_state=shard
-            ),
-        )
-        before = model.get_weights()
-        x, y = data(rows=STEPS * BATCH)
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
-        return model, [a - b for a, b in zip(model.get_weights(), before)]
-
-    sharded, plain = train_accumulating(True), train_accumulating(False)
+    sharded = train(strategy, make, True, accumulation_reduction=reduction)
+    plain = train(strategy, make, False, accumulation_reduction=reduction)
     assert_same_training(sharded, plain)
     assert sharded[0].optimizer.communication_stats()["all_reduce_calls"] == STEPS // 3
