@@ -213,6 +213,15 @@ def main(inputs_path, model_path, out_dir):
             (local,) = strategy.experimental_local_results(variable.value)
             result[f"compressed/{name}/state/{i}"] = local.numpy()
 
+    # Sharded optimizer state: each worker's replica keeps its part of
+    # Adam's moments.
+    model = train(
+        lambda: tf_agn.optimizers.Adam(learning_rate, shard_optimizer_state=True), "sharded"
+    )
+    for i, variable in enumerate(model.optimizer.variables):
+        (local,) = strategy.experimental_local_results(variable.value)
+        result[f"sharded/state/{i}"] = local.numpy()
+
     write_results(out_dir, task_index, result)
     log("wrote the results")
     num_workers = strategy.num_replicas_in_sync  # one replica each

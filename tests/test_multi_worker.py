@@ -420,6 +420,33 @@ def test_steps_per_execution_3_matches_one_step_per_call(cluster):
         )
 
 
+def test_sharded_state_across_workers_equals_unsharded_in_one_process(cluster):
+    """Workers whose Adam shards its state (a reduce-scatter and an
+    all-gather across processes; these variables' sizes do not all divide
+    by 3) end where unsharded Adam in one process ends, and their parts of
+    the moments, joined, are its moments."""
+    num_workers, workers = cluster
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES[:num_workers], transport="local")
+    x, y = data(ROWS_STEPS)
+    with strategy.scope():
+        model = build_mlp(initial_params())
+        model.compile(tf_agn.optimizers.Adam(LEARNING_RATE), "mse")
+    model.fit(x, y, batch_size=BATCH[num_workers], epochs=1, shuffle=False, verbose=0)
+    for result in workers:
+        weights = [result[f"sharded/{i}"] for i in range(len(initial_params()))]
+        for got, want in zip(weights, model.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for i, variable in enumerate(model.optimizer.variables):
+        want = variable.numpy()
+        parts = [result[f"sharded/state/{i}"] for result in workers]
+        got = parts[0] if parts[0].shape == want.shape else (
+            np.concatenate(parts)[: want.size].reshape(want.shape)
+        )
+        if parts[0].shape != want.shape:
+            assert parts[0].size == -(-want.size // num_workers), variable.path
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=variable.path)
+
+
 @pytest.mark.parametrize("name", ["int8", "powersgd"])
 def test_compressed_fit_across_workers_equals_one_process(cluster, name):
     """Workers training with int8 or PowerSGD (TensorFlow's all-to-all,
