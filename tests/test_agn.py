@@ -447,3 +447,22 @@ def test_synchronous_easgd_moves_replicas_and_center_symmetrically():
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Unlike AGN, the replicas stay apart after an exchange.
     assert not np.allclose(record.states[-1][0][0][0], record.states[-1][0][1][0])
+
+
+def test_memory_stats_count_centers_and_both_optimizers_states():
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    with strategy.scope():
+        model = tf_agn.models.mlp((5,), 2, hidden_units=(4,))
+        model.compile(
+            tf_agn.optimizers.AGN(keras.optimizers.Adam(), local_steps=2, compression="int8"),
+            "sparse_categorical_crossentropy",
+        )
+    x = np.zeros((16, 5), np.float32)
+    model.fit(x, np.zeros(16), batch_size=16, verbose=0)
+    weights = 4 * (5 * 4 + 4 + 4 * 2 + 2)
+    counters = 3 * (8 + 4)  # the wrapper's, Adam's and the outer SGD's
+    assert model.optimizer.memory_stats() == {
+        "weights": weights, "gradients": weights, "accumulators": 0,
+        # The centers, and Adam's two moments.
+        "optimizer_state": 3 * weights + counters, "compressor_state": weights,
+    }

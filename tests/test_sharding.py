@@ -194,3 +194,26 @@ def test_accumulation_reduce_scatters_each_window_once(reduction):
     plain = train(strategy, make, False, accumulation_reduction=reduction)
     assert_same_training(sharded, plain)
     assert sharded[0].optimizer.communication_stats()["all_reduce_calls"] == STEPS // 3
+
+
+def test_memory_stats_count_a_quarter_of_adams_moments():
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport="local")
+    sharded, _ = train(strategy, OPTIMIZERS["adam"], True)
+    plain, _ = train(strategy, OPTIMIZERS["adam"], False)
+    weights = 4 * (20 * 64 + 64 + 64 * 3 + 3)
+    parts = 4 * (320 + 16 + 48 + 1)  # a quarter of each variable, padded
+    counters = 8 + 4  # Adam's iteration (int64) and learning rate
+    assert plain.optimizer.memory_stats() == {
+        "weights": weights, "gradients": weights, "accumulators": 0,
+        "optimizer_state": 2 * weights + counters, "compressor_state": 0,
+    }
+    # The two moments' parts, and the part of the weights each step updates.
+    assert sharded.optimizer.memory_stats()["optimizer_state"] == 3 * parts + counters
+    # Accumulators and an int8 residual are whole, on every replica.
+    accumulating, _ = train(
+        strategy, lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), False,
+        compression="int8",
+    )
+    stats = accumulating.optimizer.memory_stats()
+    assert stats["accumulators"] == stats["compressor_state"] == weights
+    assert stats["optimizer_state"] == counters

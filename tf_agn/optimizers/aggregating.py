@@ -12,6 +12,7 @@ from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
+from tf_agn.memory import memory_stats
 from tf_agn.optimizers.accumulation import accumulate_and_apply
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
@@ -207,6 +208,23 @@ class Aggregating:
             `tf_agn.CommunicationCounter` for what counts.
         """
         return communication_stats(self)
+
+    def memory_stats(self):
+        """The bytes one replica holds for this optimizer and its weights.
+
+        Returns:
+            `{"weights", "gradients", "accumulators", "optimizer_state",
+            "compressor_state"}`: see `tf_agn.memory.memory_stats`; the
+            optimizer's state counts one replica's part where it is sharded
+            (and the part of the weights it updates).
+        """
+        accumulators = self._accumulated_gradients if self.gradient_accumulation_steps else []
+        return memory_stats(
+            _compat.built_variables(self),
+            list(self.variables) + ([] if self._sharded is None else self._sharded.variables),
+            accumulators,
+            [v for state in self._compression_state for v in state.values()],
+        )
 
     def all_replicas_finite(self, grads):
         """Whether every replica's gradients are finite, agreed by all.

@@ -125,6 +125,11 @@ class DistributedOptimizer(WrappingOptimizer):
         """See `tf_agn.optimizers.Aggregating.communication_stats`."""
         return self.inner_optimizer.communication_stats()
 
+    def memory_stats(self):
+        """See `tf_agn.optimizers.Aggregating.memory_stats` (the wrapper's
+        own two scalars aside)."""
+        return self.inner_optimizer.memory_stats()
+
     def apply(self, grads, trainable_variables=None):
         self.inner_optimizer.apply(grads, trainable_variables)
 

@@ -13,6 +13,7 @@ from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
 from tf_agn.communication import communication_stats
+from tf_agn.memory import memory_stats
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.commit_rules import CommitRules
 from tf_agn.optimizers.compression_state import add_compression_state
@@ -176,6 +177,13 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
             `all_replicas_finite`).
         """
         return communication_stats(self)
+
+    def memory_stats(self):
+        """The bytes one replica holds: see
+        `tf_agn.optimizers.Aggregating.memory_stats`; the centers and the
+        inner and outer optimizers' states are optimizer state."""
+        commit_state = [v for state in self._commit_state for v in state.values()]
+        return memory_stats(_compat.built_variables(self), self.variables, (), commit_state)
 
     def all_replicas_finite(self, grads):
         """See `tf_agn.optimizers.Aggregating.all_replicas_finite`; local
