@@ -1,6 +1,6 @@
 """Installs tf_agn, with the top-level `strategies/` as `tf_agn.strategies`."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="tf_agn",
@@ -15,13 +15,7 @@ setup(
     # The distribution side lives in the top-level `strategies/` folder but
     # installs inside the package, so no generic `strategies` module lands
     # in site-packages.
-    packages=[
-        "tf_agn",
-        "tf_agn.compression",
-        "tf_agn.decoupled",
-        "tf_agn.optimizers",
-        "tf_agn.strategies",
-    ],
+    packages=find_packages(include=["tf_agn", "tf_agn.*"]) + ["tf_agn.strategies"],
     package_dir={"tf_agn.strategies": "strategies"},
     install_requires=[
         # The releases CI tests (tf_agn._compat.TESTED_VERSIONS): tf_agn

@@ -1,6 +1,7 @@
 """Packaging: `strategies/` installs as `tf_agn.strategies`, never as a
 top-level module, and the README's commands are the ones CI runs."""
 
+import glob
 import os
 import re
 import subprocess
@@ -19,6 +20,8 @@ def test_plain_install_maps_strategies_into_the_package(tmp_path):
     )
     assert (target / "tf_agn" / "strategies" / "mirrored.py").is_file()
     assert not (target / "strategies").exists()
+    for init in glob.glob(os.path.join(ROOT, "tf_agn", "**", "__init__.py"), recursive=True):
+        assert (target / os.path.relpath(init, ROOT)).is_file(), init
     probe = (
         "import tf_agn.strategies as s, tf_agn.optimizers as o;"
         "print(s.__file__); print(o.__file__)"

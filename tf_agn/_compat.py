@@ -282,6 +282,11 @@ def accumulator_of(optimizer, variable):
     return optimizer._accumulated_gradients[variable_index(optimizer, variable)]
 
 
+def accumulators(optimizer):
+    """`optimizer`'s gradient accumulators, one per trainable variable."""
+    return list(optimizer._accumulated_gradients)
+
+
 def register_variable_alias(optimizer, alias, variable):
     """Makes `optimizer` find `variable`'s state when its `update_step` is
     given `alias` (a variable holding one replica's part of it)."""

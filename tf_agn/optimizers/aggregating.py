@@ -218,7 +218,7 @@ class Aggregating:
             optimizer's state counts one replica's part where it is sharded
             (and the part of the weights it updates).
         """
-        accumulators = self._accumulated_gradients if self.gradient_accumulation_steps else []
+        accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
         return memory_stats(
             _compat.built_variables(self),
             list(self.variables) + ([] if self._sharded is None else self._sharded.variables),
@@ -289,7 +289,7 @@ class Aggregating:
                 if _compat.uses_weight_decay(self, variable)
             ]
             _compat.apply_weight_decay(self, decayed)
-            super(Aggregating, self)._backend_update_step(parts, part_variables, self.learning_rate)
+            self._update_in_place(parts, part_variables, self.learning_rate)
 
         self._sharded.apply(self, window, trainable_variables, update, scale, window_ends)
 
@@ -303,9 +303,7 @@ class Aggregating:
             # It clips the parts itself, with norms across replicas.
             self._sharded.apply(
                 self, grads, trainable_variables,
-                lambda parts, variables: super(Aggregating, self)._backend_update_step(
-                    parts, variables, learning_rate
-                ),
+                lambda parts, variables: self._update_in_place(parts, variables, learning_rate),
             )
             return
         arguments = self.compression_arguments(trainable_variables)
@@ -321,6 +319,9 @@ class Aggregating:
 
     def _apply_combined(self, grads, trainable_variables, learning_rate):
         grads = _compat.clip_gradients_in_place(self, grads)
+        self._update_in_place(grads, trainable_variables, learning_rate)
+
+    def _update_in_place(self, grads, trainable_variables, learning_rate):
         # Through the Keras class's own `_backend_update_step`, if it has
         # one, to `_compat.InPlaceUpdates`'.
         super()._backend_update_step(grads, trainable_variables, learning_rate)
