@@ -221,6 +221,9 @@ def main(inputs_path, model_path, out_dir):
     for i, variable in enumerate(model.optimizer.variables):
         (local,) = strategy.experimental_local_results(variable.value)
         result[f"sharded/state/{i}"] = local.numpy()
+    # What `model.save` writes, gathered from every worker's part.
+    for i, value in enumerate(model.optimizer.saved_values()):
+        result[f"sharded/saved/{i}"] = value
 
     write_results(out_dir, task_index, result)
     log("wrote the results")

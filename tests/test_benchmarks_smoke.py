@@ -1,4 +1,4 @@
-"""Runs benchmarks/step_overhead.py and benchmarks/compression.py on tiny
+"""Runs benchmarks/step_overhead.py, compression.py and sharding.py on tiny
 settings: each must run, print its tables and a verdict per target. The timings themselves are not checked (the
 machine is shared); the benchmark's own PASS/FAIL lines are for people."""
 
@@ -84,3 +84,24 @@ def test_compression_runs_and_reports():
         assert re.search(rf"^  (PASS|FAIL): \({letter}\) ", out, re.M), (letter, out)
     # The bytes do not depend on the machine's load.
     assert re.search(r"^  PASS: \(c\) ", out, re.M), out
+
+
+@pytest.mark.slow
+def test_sharding_runs_and_reports():
+    # A 784-64-10 MLP in fresh processes, 2 steps, 1 round.
+    result = run_python(
+        os.path.join(ROOT, "benchmarks", "sharding.py"),
+        "--hidden_units=64", "--models=mlp", "--steps=2", "--repeats=1", "--num_replicas=2",
+        timeout=600, returncode=None,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for row in ("mlp (0.1M) | unsharded", "mlp (0.1M) | sharded",
+                "tf_agn sharded, float32 Adam | 8Ψ + 12Ψ/n", "stock Keras (default ops)",
+                "reduce-scatter + all-gather"):
+        assert f"| {row}" in out, out
+    # memory_stats, not the load: Adam's moments halve on 2 replicas.
+    states = [float(s) for s in re.findall(r"^\| mlp \S+ \| \w+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|", out, re.M)]
+    assert len(states) == 2 and states[1] < 0.8 * states[0], out
+    assert re.search(r"^  (PASS|FAIL): the MLP's peak resident memory", out, re.M)
+    assert re.search(r"^  (PASS|FAIL): sharded / unsharded = \d", out, re.M)

@@ -507,7 +507,7 @@ def test_loss_scale_optimizer_decides_by_check_finite():
         variable = keras.Variable(np.zeros(2, np.float32))
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
         optimizer.apply(finite_grads, [variable])
-        assert bool(_compat.stock_loss_scale_check_finite(optimizer, finite_grads))
+        assert bool(_compat.stock_loss_scale_method("check_finite")(optimizer, finite_grads))
         want = -finite_grads[0] / optimizer.initial_scale if applied else np.zeros(2)
         np.testing.assert_array_equal(variable.numpy(), want)
         scale = optimizer.initial_scale if applied else optimizer.initial_scale / 2

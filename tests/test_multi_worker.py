@@ -424,7 +424,7 @@ def test_sharded_state_across_workers_equals_unsharded_in_one_process(cluster):
     """Workers whose Adam shards its state (a reduce-scatter and an
     all-gather across processes; these variables' sizes do not all divide
     by 3) end where unsharded Adam in one process ends, and their parts of
-    the moments, joined, are its moments."""
+    the moments, joined, are its moments, as each worker saves them."""
     num_workers, workers = cluster
     strategy = tf_agn.strategies.mirrored(devices=DEVICES[:num_workers], transport="local")
     x, y = data(ROWS_STEPS)
@@ -445,6 +445,11 @@ def test_sharded_state_across_workers_equals_unsharded_in_one_process(cluster):
         if parts[0].shape != want.shape:
             assert parts[0].size == -(-want.size // num_workers), variable.path
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=variable.path)
+        # Saved whole, on every worker, as the unsharded optimizer saves it.
+        for result in workers:
+            saved = result[f"sharded/saved/{i}"]
+            assert saved.shape == want.shape, variable.path
+            np.testing.assert_allclose(saved, want, rtol=1e-5, atol=1e-7, err_msg=variable.path)
 
 
 @pytest.mark.parametrize("name", ["int8", "powersgd"])

@@ -7,6 +7,11 @@ gathered from every replica's part, equal those of the same optimizer
 unsharded within 1e-6 by norm, tensor by tensor.
 """
 
+import functools
+import io
+import zipfile
+
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -36,7 +41,7 @@ OPTIMIZERS = {
 }
 
 
-def train(strategy, make_optimizer, shard, method="mean", **settings):
+def train(strategy, make_optimizer, shard, method="mean", steps=STEPS, **settings):
     model = build(
         strategy,
         lambda: tf_agn.optimizers.DistributedOptimizer(
@@ -44,7 +49,7 @@ def train(strategy, make_optimizer, shard, method="mean", **settings):
         ),
     )
     before = model.get_weights()
-    x, y = data(rows=STEPS * BATCH)
+    x, y = data(rows=steps * BATCH)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     change = [after - start for after, start in zip(model.get_weights(), before)]
     return model, change
@@ -172,11 +177,123 @@ def test_compression_and_stock_strategies_are_refused_by_name():
         train(stock, OPTIMIZERS["adam"], True)
 
 
-def test_a_sharded_state_is_not_saved_as_one_value(tmp_path):
+def saved_optimizer(path):
+    """The optimizer's entries of a `.keras` or `.weights.h5` file, by their
+    path in it."""
+    entries = {}
+
+    def keep(name, node):
+        if name.startswith("optimizer") and isinstance(node, h5py.Dataset):
+            entries[name] = node[()]
+
+    if str(path).endswith(".keras"):
+        with zipfile.ZipFile(path) as archive:
+            path = io.BytesIO(archive.read("model.weights.h5"))
+    with h5py.File(path, "r") as weights:
+        weights.visititems(keep)
+    return entries
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("wrapper", ["distributed", "drop_in", "mixed_float16"])
+def test_a_sharded_run_saves_the_unsharded_optimizers_layout(wrapper, tmp_path, request):
+    if wrapper == "mixed_float16":
+        # Keras's LossScaleOptimizer saves its inner optimizer's variables
+        # itself, beside the inner optimizer's own entry.
+        request.getfixturevalue("mixed_float16")
     strategy = tf_agn.strategies.mirrored(DEVICES)
-    model, _ = train(strategy, OPTIMIZERS["adam"], True)
-    with pytest.raises(NotImplementedError, match="cannot save its state in a .keras file yet"):
-        model.save(tmp_path / "sharded.keras")
+    files = {}
+    for shard in (True, False):
+        if wrapper == "drop_in":
+            model = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=shard))
+            model.fit(*data(rows=STEPS * BATCH), batch_size=BATCH, verbose=0, shuffle=False)
+        else:
+            model, _ = train(strategy, OPTIMIZERS["adam"], shard)
+        files[shard] = tmp_path / f"{shard}.keras"
+        model.save(files[shard])
+    sharded, plain = saved_optimizer(files[True]), saved_optimizer(files[False])
+    assert sorted(sharded) == sorted(plain)
+    assert len(plain) >= 6  # Adam's two moments of 4 variables, and counters.
+    for name, want in plain.items():
+        assert sharded[name].shape == want.shape, name
+        assert relative(sharded[name], want) <= TOLERANCE, name
+
+
+def continued(strategy, shard, path=None, load_model=False):
+    """A model trained on the second half of the data, from `path` (a
+    `.keras` file of the first half) or from the start on both halves."""
+    x, y = data(rows=STEPS * BATCH)
+    halves = [(x[: len(x) // 2], y[: len(y) // 2]), (x[len(x) // 2 :], y[len(y) // 2 :])]
+    if load_model:
+        with strategy.scope():
+            model = keras.saving.load_model(path)
+    else:
+        model = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=shard))
+        if path is not None:
+            with strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+            model.load_weights(path)
+    for part in halves[path is not None :]:
+        model.fit(*part, batch_size=BATCH, verbose=0, shuffle=False)
+    return model
+
+
+@functools.cache
+def uninterrupted_run():
+    return continued(tf_agn.strategies.mirrored(DEVICES), False)
+
+
+@pytest.mark.parametrize(
+    "first, then, load_model",
+    [((4, True), (2, True), True), ((4, True), (2, False), False), ((2, False), (4, True), False)],
+    ids=["sharded4-to-sharded2", "sharded4-to-unsharded2", "unsharded2-to-sharded4"],
+)
+def test_a_file_resumes_sharded_or_not_on_another_replica_count(first, then, load_model, tmp_path):
+    (first_replicas, first_shard), (then_replicas, then_shard) = first, then
+    x, y = data(rows=STEPS * BATCH)
+    model = build(
+        tf_agn.strategies.mirrored(DEVICES[:first_replicas]),
+        lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=first_shard),
+    )
+    model.fit(x[: len(x) // 2], y[: len(y) // 2], batch_size=BATCH, verbose=0, shuffle=False)
+    model.save(tmp_path / "half.keras")
+    strategy = tf_agn.strategies.mirrored(DEVICES[:then_replicas])
+    resumed = continued(strategy, then_shard, tmp_path / "half.keras", load_model)
+    assert resumed.optimizer.shard_optimizer_state == then_shard
+    uninterrupted = uninterrupted_run()
+    # MEAN over another replica count sums in another order.
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        assert relative(got, want) <= 1e-5
+    for got, want in zip(resumed.optimizer.saved_values(), uninterrupted.optimizer.saved_values()):
+        assert relative(got, want) <= 1e-5
+
+
+def test_keras_checkpoints_save_a_sharded_run_whole_and_tf_checkpoints_refuse(tmp_path):
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    model = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True))
+    model.fit(
+        *data(rows=4 * BATCH), batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.keras")),
+            keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False),
+        ],
+    )
+    want = model.optimizer.saved_values()
+    moment_shapes = sorted(tuple(v.shape) for v in model.trainable_variables for _ in range(2))
+    for path in (tmp_path / "epoch2.keras", tmp_path / "backup" / "latest.weights.h5"):
+        saved = saved_optimizer(path)
+        assert sorted(v.shape for v in saved.values() if v.ndim) == moment_shapes, path
+        for got, value in zip(saved.values(), want):
+            np.testing.assert_array_equal(got, value)
+    # TensorFlow's own checkpoints would keep one replica's part: refused.
+    with pytest.raises(ValueError, match="VariableAggregation"):
+        tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "tf_checkpoint"))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -198,8 +315,8 @@ def test_accumulation_reduce_scatters_each_window_once(reduction):
 
 def test_memory_stats_count_a_quarter_of_adams_moments():
     strategy = tf_agn.strategies.mirrored(DEVICES, transport="local")
-    sharded, _ = train(strategy, OPTIMIZERS["adam"], True)
-    plain, _ = train(strategy, OPTIMIZERS["adam"], False)
+    sharded, _ = train(strategy, OPTIMIZERS["adam"], True, steps=2)
+    plain, _ = train(strategy, OPTIMIZERS["adam"], False, steps=2)
     weights = 4 * (20 * 64 + 64 + 64 * 3 + 3)
     parts = 4 * (320 + 16 + 48 + 1)  # a quarter of each variable, padded
     counters = 8 + 4  # Adam's iteration (int64) and learning rate
@@ -212,7 +329,7 @@ def test_memory_stats_count_a_quarter_of_adams_moments():
     # Accumulators and an int8 residual are whole, on every replica.
     accumulating, _ = train(
         strategy, lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), False,
-        compression="int8",
+        compression="int8", steps=2,
     )
     stats = accumulating.optimizer.memory_stats()
     assert stats["accumulators"] == stats["compressor_state"] == weights

@@ -48,10 +48,12 @@ From Keras:
   `add_variable` has no argument for.
 - `LossScaleOptimizer.check_finite`, where Keras' TensorFlow `apply`
   decides to skip a step, from each replica's own gradients (the step
-  follows replica 0's). `compile` creates the stock class, so it is
-  patched (`replace_loss_scale_check_finite`) to ask the inner optimizer's
-  `all_replicas_finite`, else the stock method
-  (`stock_loss_scale_check_finite`); see `tf_agn.optimizers.loss_scaling`.
+  follows replica 0's), and its `save_own_variables`/`load_own_variables`,
+  which save the inner optimizer's variables as they are (a replica's part
+  of sharded state). `compile` creates the stock class, so it is patched
+  (`replace_loss_scale_methods`) to ask the inner optimizer
+  (`all_replicas_finite`, `saved_values`, `load_values`), else the stock
+  methods (`stock_loss_scale_method`); see `tf_agn.optimizers.loss_scaling`.
 - `Trainer._initial_epoch`: the epoch `fit` starts from, which Keras' own
   `BackupAndRestore` sets; no public way for a callback
   (`set_initial_epoch`, for `tf_agn.callbacks.BackupAndRestore`).
@@ -412,31 +414,36 @@ OVERRIDDEN_PRIVATE_METHODS = {
 }
 
 
-# Keras' own `LossScaleOptimizer.check_finite`, kept before it is replaced.
-_STOCK_LOSS_SCALE_CHECK_FINITE = keras.optimizers.LossScaleOptimizer.check_finite
+# The methods of Keras' `LossScaleOptimizer` tf_agn replaces, kept before
+# it does.
+_STOCK_LOSS_SCALE_METHODS = {
+    name: getattr(keras.optimizers.LossScaleOptimizer, name, None)
+    for name in ("check_finite", "save_own_variables", "load_own_variables")
+}
 
 
-def stock_loss_scale_check_finite(loss_scale_optimizer, grads):
-    """Keras' `LossScaleOptimizer.check_finite`: whether this replica's own
-    `grads` are all finite."""
-    return _STOCK_LOSS_SCALE_CHECK_FINITE(loss_scale_optimizer, grads)
+def stock_loss_scale_method(name):
+    """Keras' own `LossScaleOptimizer` method `name`, as it was before
+    `replace_loss_scale_methods`."""
+    return _STOCK_LOSS_SCALE_METHODS[name]
 
 
-def replace_loss_scale_check_finite(check_finite):
-    """Makes every `keras.optimizers.LossScaleOptimizer` decide whether to
-    apply a step (or skip it and halve its scale) with
-    `check_finite(loss_scale_optimizer, grads)`.
+def replace_loss_scale_methods(**methods):
+    """Makes every `keras.optimizers.LossScaleOptimizer` use `methods`
+    (by name: `check_finite`, `save_own_variables`, `load_own_variables`).
 
     Raises:
-        RuntimeError: if this Keras' class has no `check_finite` to replace.
+        RuntimeError: if this Keras' class lacks one of them.
     """
-    if not callable(getattr(keras.optimizers.LossScaleOptimizer, "check_finite", None)):
-        raise RuntimeError(
-            "This Keras' LossScaleOptimizer has no check_finite; tf_agn cannot "
-            "make replicas agree on skipping non-finite steps. Use a tested "
-            "Keras version."
-        )
-    keras.optimizers.LossScaleOptimizer.check_finite = check_finite
+    for name, method in methods.items():
+        if not callable(_STOCK_LOSS_SCALE_METHODS.get(name)):
+            raise RuntimeError(
+                f"This Keras' LossScaleOptimizer has no {name}, which tf_agn "
+                "replaces (to agree across replicas on skipping non-finite "
+                "steps, and to save sharded state whole). Use a tested Keras "
+                "version."
+            )
+        setattr(keras.optimizers.LossScaleOptimizer, name, method)
 
 
 def _minor(version):

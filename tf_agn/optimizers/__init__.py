@@ -1,6 +1,7 @@
 """tf_agn's Keras 3 optimizers."""
 
 from tf_agn.optimizers import loss_scaling
+from tf_agn.optimizers import saving
 from tf_agn.optimizers.aggregating import SGD
 from tf_agn.optimizers.aggregating import Adam
 from tf_agn.optimizers.aggregating import AdamW
@@ -19,3 +20,5 @@ from tf_agn.optimizers.wrapping import WrappingOptimizer
 # Keras' LossScaleOptimizer, which `compile` puts around these under mixed
 # precision, then skips a step on every replica when any replica overflows.
 loss_scaling.install()
+# ... and saves sharded state whole.
+saving.install()

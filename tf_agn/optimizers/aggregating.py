@@ -4,6 +4,7 @@ gradients are combined."""
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
@@ -251,11 +252,7 @@ class Aggregating:
         if self._sharded is not None:
             # The state of this replica's part alone, named as Keras names
             # the whole variable's.
-            part = self._sharded.part_of(reference_variable)
-            return self.add_variable(
-                shape=part.shape, initializer=initializer, dtype=part.dtype,
-                name=_compat.reference_variable_name(reference_variable, name or "var"),
-            )
+            return self._sharded.add_state(self, reference_variable, name or "var", initializer)
         return super().add_variable_from_reference(
             reference_variable, name=name, initializer=initializer
         )
@@ -327,23 +324,80 @@ class Aggregating:
         super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def save_own_variables(self, store):
-        self._check_not_sharded("save")
-        super().save_own_variables(store)
+        # Sharded, each replica holds a part of each state variable: the
+        # file holds them whole, as the unsharded optimizer saves them.
+        for i, value in enumerate(self.saved_values()):
+            store[str(i)] = value
+
+    def saved_values(self):
+        """The values of `variables` as Keras saves them: sharded state
+        whole, with the unsharded optimizer's shapes.
+
+        Sharded, it all-gathers: call it on every worker, as Keras asks of
+        `model.save` under a multi-worker strategy.
+
+        Returns:
+            One numpy array per variable of `variables`.
+        """
+        if self._sharded is None:
+            return [v.numpy() for v in self.variables]
+        states, positions = self._sharded_states()
+        wholes = dict(zip(positions, self._sharded.whole_values(
+            _compat.creation_strategy(self), states, self._trainable_shapes()
+        )))
+        return [wholes[i] if i in wholes else v.numpy() for i, v in enumerate(self.variables)]
 
     def load_own_variables(self, store):
-        self._check_not_sharded("load")
-        super().load_own_variables(store)
+        if self._sharded is None:
+            super().load_own_variables(store)
+            return
+        self.load_values([store[str(i)] for i in range(len(store.keys()))])
 
-    def _check_not_sharded(self, verb):
-        # Each replica holds its own part of the state; a .keras file holds
-        # one value per variable.
-        if self._sharded is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}(shard_optimizer_state=True) cannot {verb} "
-                "its state in a .keras file yet: each replica holds its own "
-                "part. tf_agn.callbacks.BackupAndRestore keeps every part; or "
-                "train with shard_optimizer_state=False to save the model whole."
+    @property
+    def shards_state(self):
+        """Whether this optimizer is built with its state sharded (more than
+        one replica, `shard_optimizer_state=True`)."""
+        return self._sharded is not None
+
+    def load_values(self, values):
+        """Sets `variables` from values as `saved_values` gives them (or an
+        unsharded optimizer saves them): each replica takes its part of
+        sharded state.
+
+        Raises:
+            ValueError: for another number of values, or a shape that is
+                not the unsharded optimizer's.
+        """
+        if len(values) != len(self.variables):
+            raise ValueError(
+                f"{self.name} has {len(self.variables)} variables; the saved "
+                f"optimizer has {len(values)}. Was it saved from another optimizer?"
             )
+        states, positions = self._sharded_states() if self._sharded else ([], [])
+        shapes = self._trainable_shapes()
+        for position, state in zip(positions, states):
+            want = shapes[self._sharded.index_of_state(state)]
+            if tuple(np.shape(values[position])) != tuple(want):
+                raise ValueError(
+                    f"Saved optimizer variable {position} ({state.name}) has shape "
+                    f"{np.shape(values[position])}; this model's variable has {tuple(want)}."
+                )
+        plain = set(positions)
+        for position, (variable, value) in enumerate(zip(self.variables, values)):
+            if position not in plain:
+                variable.assign(value)
+        if states:
+            self._sharded.assign_whole_values(
+                _compat.creation_strategy(self), states, [values[p] for p in positions]
+            )
+
+    def _sharded_states(self):
+        """The sharded state variables, and their positions in `variables`."""
+        found = [(v, i) for i, v in enumerate(self.variables) if self._sharded.is_state(v)]
+        return [v for v, _ in found], [i for _, i in found]
+
+    def _trainable_shapes(self):
+        return [tuple(v.shape) for v in _compat.built_variables(self)]
 
     def get_config(self):
         config = super().get_config()

@@ -49,7 +49,7 @@ def _check_finite(loss_scale_optimizer, grads):
     inner = loss_scale_optimizer.inner_optimizer
     if hasattr(inner, "all_replicas_finite"):
         return inner.all_replicas_finite(grads)
-    return _compat.stock_loss_scale_check_finite(loss_scale_optimizer, grads)
+    return _compat.stock_loss_scale_method("check_finite")(loss_scale_optimizer, grads)
 
 
 def install():
@@ -57,4 +57,4 @@ def install():
     is finite, when it wraps an optimizer that can tell. Idempotent."""
     # The stock class is patched, not subclassed: `model.compile` creates it
     # by itself.
-    _compat.replace_loss_scale_check_finite(_check_finite)
+    _compat.replace_loss_scale_methods(check_finite=_check_finite)

@@ -125,6 +125,9 @@ class ShardedState:
             for v, part in zip(variables, self.parts)
         ]
         self._index = {id(v): i for i, v in enumerate(variables)}
+        # The optimizer's state variables (each of one part's shape), by
+        # the index of the trainable variable each belongs to.
+        self._state_index = {}
         sizes = [(tf.as_dtype(v.dtype), part * num_replicas) for v, part in zip(variables, self.parts)]
         self.packs = packing.plan_packs(sizes, bytes_per_pack)
 
@@ -132,6 +135,82 @@ class ShardedState:
         """The scratch variable of `variable`'s part, whose shape the
         optimizer's state for `variable` takes."""
         return self.variables[self._index[id(variable)]]
+
+    def add_state(self, optimizer, variable, name, initializer):
+        """A variable of `optimizer`'s state for trainable `variable`, of its
+        part's shape, named as Keras names the whole variable's.
+
+        Returns:
+            A `keras.Variable` each replica holds its own part in.
+        """
+        part = self.part_of(variable)
+        # Each replica's copy is its own part (`on_read`, no aggregation):
+        # `tf.train.Checkpoint` then refuses it rather than save one
+        # replica's part as the whole, as it would of a mirrored variable.
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            state = keras.Variable(
+                initializer=initializer, shape=part.shape, dtype=part.dtype, trainable=False,
+                aggregation="none", synchronization="on_read",
+                name=_compat.reference_variable_name(variable, name),
+            )
+        _compat.track_variable(optimizer, state)
+        self._state_index[id(state)] = self._index[id(variable)]
+        return state
+
+    def index_of_state(self, state):
+        """The index of the trainable variable `state` belongs to."""
+        return self._state_index[id(state)]
+
+    def is_state(self, variable):
+        """Whether `variable` is optimizer state of a part's shape."""
+        return id(variable) in self._state_index
+
+    def whole_values(self, strategy, states, shapes):
+        """`states`' values as the unsharded optimizer holds them: every
+        replica's part, joined, unpadded and shaped as the trainable
+        variable's.
+
+        Call it in cross-replica context on every worker (it all-gathers).
+
+        Args:
+            strategy: the strategy the optimizer was built under.
+            states: variables for which `is_state` holds.
+            shapes: the trainable variables' shapes, in the order built.
+
+        Returns:
+            One numpy array per state variable.
+        """
+
+        @tf.function
+        def gather():
+            return strategy.run(lambda: all_gather([s.value for s in states]))
+
+        joined = [strategy.experimental_local_results(g)[0].numpy() for g in gather()]
+        values = []
+        for state, flat in zip(states, joined):
+            index = self.index_of_state(state)
+            values.append(flat[: self.sizes[index]].reshape(shapes[index]))
+        return values
+
+    def assign_whole_values(self, strategy, states, values):
+        """Gives each replica its part of each whole value, in `states`.
+
+        Args:
+            strategy: the strategy the optimizer was built under.
+            states: variables for which `is_state` holds.
+            values: for each, a value of its trainable variable's shape.
+        """
+        rows = [
+            tf.constant(self._rows(np.asarray(value, s.dtype), self.index_of_state(s)))
+            for s, value in zip(states, values)
+        ]
+
+        def assign():
+            rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+            for state, state_rows in zip(states, rows):
+                state.assign(tf.gather(state_rows, rank))
+
+        tf.function(lambda: strategy.run(assign))()
 
     def apply(self, optimizer, grads, variables, update, value_scale=1, when=None):
         """One sharded step, in replica context.

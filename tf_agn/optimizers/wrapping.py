@@ -3,6 +3,7 @@ Keras optimizer they wrap."""
 
 import keras
 
+from tf_agn.optimizers import saving
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
 
@@ -74,6 +75,17 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         # Keras' LossScaleOptimizer clears this on the optimizer it wraps.
         if hasattr(self, "inner_optimizer"):
             self.inner_optimizer.loss_scale_factor = value
+
+    def save_own_variables(self, store):
+        # The wrapped optimizer's variables are among `variables`; sharded
+        # state is saved whole.
+        saving.save(self, store)
+
+    def load_own_variables(self, store):
+        if saving.sharded_within(self):
+            saving.load(self, store)
+        else:
+            super().load_own_variables(store)
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)

@@ -1,0 +1,241 @@
+"""Sharded optimizer state (`shard_optimizer_state=True`): memory and speed.
+
+    python benchmarks/sharding.py                 # both parts, 4 logical CPUs
+    python benchmarks/sharding.py --parts=memory
+
+1. memory: for the 784-4096-4096-1024-10 MLP (24.2M parameters) and
+   ResNet-50 (23.6M with 10 classes, 32x32 inputs), Adam, sharded and unsharded, each
+   trained for `--steps` steps of `model.fit` in a fresh process on
+   `--num_replicas` logical CPUs: the bytes one replica holds
+   (`optimizer.memory_stats()`) and the process's peak resident memory.
+   Target: the MLP's peak drops by at least half of what the moments'
+   sharding saves, 3 x 8 bytes x 24.2M on 4 replicas. Then, by formula,
+   a 1B-parameter model: 16 bytes a parameter unsharded, 8 + 12/n sharded
+   (weights and gradients whole; the moments and the part of the weights a
+   step updates, sharded), beside ZeRO's published 4 + 12/n (float16
+   weights and gradients, float32 master weights).
+2. speed: the MLP at `--rows_per_replica` rows per replica, the median
+   `model.fit` step (ms, `--repeats` rounds of `--steps`) of stock Keras
+   (Adam under `tf.distribute.MirroredStrategy`'s default ops), tf_agn
+   unsharded and sharded; the communication alone (a reduce-scatter and an
+   all-gather of the gradients' volume against one all-reduce), with its
+   bytes. Target: sharded <= 1.05x unsharded.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("parts", ["memory", "speed"], "memory, speed.")
+flags.DEFINE_integer("num_replicas", 4, "Logical CPU replicas.")
+flags.DEFINE_list("hidden_units", ["4096", "4096", "1024"], "The MLP's hidden widths.")
+flags.DEFINE_integer("steps", 5, "fit steps a round (memory: steps trained).")
+flags.DEFINE_integer("repeats", 3, "Rounds of the speed part.")
+flags.DEFINE_integer("rows_per_replica", 32, "Rows per replica a step.")
+flags.DEFINE_list("models", ["mlp", "resnet50"], "The memory part's models.")
+flags.DEFINE_string("child", None, "Internal: run one memory configuration.")
+
+MIB = 2**20
+MAX_SHARDED_TO_UNSHARDED = 1.05
+
+
+def build(model_name, make_optimizer, strategy):
+    import keras
+
+    import tf_agn
+
+    with strategy.scope():
+        if model_name == "resnet50":
+            model = keras.applications.ResNet50(
+                weights=None, input_shape=(32, 32, 3), classes=10
+            )
+        else:
+            hidden = tuple(int(u) for u in FLAGS.hidden_units)
+            model = tf_agn.models.mlp((784,), 10, hidden_units=hidden)
+        model.compile(make_optimizer(), "sparse_categorical_crossentropy")
+    return model
+
+
+def data(model_name, rows):
+    import numpy as np
+
+    shape = (32, 32, 3) if model_name == "resnet50" else (784,)
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, *shape)).astype("float32"), rng.integers(0, 10, rows)
+
+
+def child(configuration):
+    """One memory configuration, in this fresh process: prints its JSON."""
+    import tf_agn
+
+    tf_agn.strategies.split_cpu(FLAGS.num_replicas)
+    model_name, shard = configuration.split(":")
+    strategy = tf_agn.strategies.mirrored()
+    model = build(
+        model_name,
+        lambda: tf_agn.optimizers.Adam(1e-4, shard_optimizer_state=shard == "sharded"),
+        strategy,
+    )
+    rows = FLAGS.rows_per_replica * FLAGS.num_replicas
+    x, y = data(model_name, rows * FLAGS.steps)
+    model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+    print(json.dumps({
+        "parameters": model.count_params(),
+        "stats": model.optimizer.memory_stats(),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }))
+
+
+def memory_part():
+    print(f"\n-- memory: Adam, {FLAGS.num_replicas} replicas, {FLAGS.steps} fit steps, fresh processes")
+    print("| model | state | weights MiB | gradients MiB | optimizer state MiB | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    peaks = {}
+    for model_name in FLAGS.models:
+        for shard in ("unsharded", "sharded"):
+            out = subprocess.run(
+                [sys.executable, __file__, f"--child={model_name}:{shard}",
+                 f"--num_replicas={FLAGS.num_replicas}", f"--steps={FLAGS.steps}",
+                 f"--rows_per_replica={FLAGS.rows_per_replica}",
+                 f"--hidden_units={','.join(FLAGS.hidden_units)}"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip().splitlines()[-1]
+            result = json.loads(out)
+            stats = result["stats"]
+            peaks[model_name, shard] = result
+            print(
+                f"| {model_name} ({result['parameters'] / 1e6:.1f}M) | {shard} | "
+                f"{stats['weights'] / MIB:.1f} | {stats['gradients'] / MIB:.1f} | "
+                f"{stats['optimizer_state'] / MIB:.1f} | {result['peak_rss_mib']:.0f} |"
+            )
+    if "mlp" in FLAGS.models:
+        parameters = peaks["mlp", "sharded"]["parameters"]
+        saved = (FLAGS.num_replicas - 1) * 8 * parameters / MIB
+        drop = peaks["mlp", "unsharded"]["peak_rss_mib"] - peaks["mlp", "sharded"]["peak_rss_mib"]
+        verdict = "PASS" if drop >= saved / 2 else "FAIL"
+        print(
+            f"  {verdict}: the MLP's peak resident memory drops by {drop:.0f} MiB; target "
+            f">= {saved / 2:.0f} MiB (half of the {saved:.0f} MiB the moments' sharding saves)"
+        )
+    n = FLAGS.num_replicas
+    print(f"\n-- 1B parameters, by formula, bytes a replica on {n} replicas (GiB)")
+    print("| | formula | GiB |")
+    print("|---|---|---|")
+    for name, formula, value in (
+        ("unsharded, float32 Adam", "16Ψ", 16),
+        ("tf_agn sharded, float32 Adam", "8Ψ + 12Ψ/n", 8 + 12 / n),
+        ("ZeRO-1 published (fp16, fp32 master)", "4Ψ + 12Ψ/n", 4 + 12 / n),
+    ):
+        print(f"| {name} | {formula} | {value * 1e9 / 2**30:.1f} |")
+
+
+def speed_part():
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_agn
+
+    devices = tf_agn.strategies.split_cpu(FLAGS.num_replicas)
+    rows = FLAGS.rows_per_replica * FLAGS.num_replicas
+    x, y = data("mlp", rows * FLAGS.steps)
+    candidates = {
+        "stock Keras (default ops)": (tf.distribute.MirroredStrategy(devices), False, False),
+        "tf_agn unsharded": (tf_agn.strategies.mirrored(devices), True, False),
+        "tf_agn sharded": (tf_agn.strategies.mirrored(devices), True, True),
+    }
+    print(f"\n-- speed: MLP, {rows} rows a step over {FLAGS.num_replicas} replicas, median fit step")
+    print("| candidate | ms a step |")
+    print("|---|---|")
+    medians = {}
+    for name, (strategy, ours, shard) in candidates.items():
+        import keras
+
+        def make_optimizer(ours=ours, shard=shard):
+            if ours:
+                return tf_agn.optimizers.Adam(1e-4, shard_optimizer_state=shard)
+            return keras.optimizers.Adam(1e-4)
+
+        model = build("mlp", make_optimizer, strategy)
+        model.fit(x[:rows * 2], y[:rows * 2], batch_size=rows, verbose=0)  # trace
+        times = []
+        for _ in range(FLAGS.repeats):
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+            times.append((time.perf_counter() - start) / FLAGS.steps)
+        medians[name] = 1e3 * float(np.median(times))
+        print(f"| {name} | {medians[name]:.1f} |")
+    ratio = medians["tf_agn sharded"] / medians["tf_agn unsharded"]
+    verdict = "PASS" if ratio <= MAX_SHARDED_TO_UNSHARDED else "FAIL"
+    print(f"  {verdict}: sharded / unsharded = {ratio:.2f}; target <= {MAX_SHARDED_TO_UNSHARDED}")
+    communication_only(devices)
+
+
+def communication_only(devices):
+    """A reduce-scatter and an all-gather of the MLP's gradient volume,
+    against one all-reduce of it, through tf_agn's road in replica context."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_agn
+    from tf_agn import replica_aggregation
+
+    n = len(devices)
+    widths = [784, *(int(u) for u in FLAGS.hidden_units), 10]
+    count = sum(a * b + b for a, b in zip(widths, widths[1:]))
+    part = -(-count // n)
+    strategy = tf_agn.strategies.mirrored(devices)
+    with strategy.scope():
+        buffer = tf.Variable(tf.zeros([n, part]))
+
+    @tf.function
+    def all_reduce():
+        # Summed whole, so that no compiler keeps only the part returned.
+        return strategy.run(lambda: tf.reduce_sum(tf_agn.aggregate([tf.reshape(buffer, [-1])], "sum")[0]))
+
+    @tf.function
+    def scatter_and_gather():
+        def step():
+            (mine,) = replica_aggregation.reduce_scatter([buffer * 1.0], "sum")
+            (whole,) = replica_aggregation.all_gather([mine])
+            return tf.reduce_sum(whole)
+
+        return strategy.run(step)
+
+    print(f"\n-- communication alone: {count / 1e6:.1f}M float32 ({4 * n * part / MIB:.0f} MiB a replica)")
+    print("| pattern | ms |")
+    print("|---|---|")
+    for name, function in (("all-reduce", all_reduce), ("reduce-scatter + all-gather", scatter_and_gather)):
+        function()
+        times = []
+        for _ in range(FLAGS.repeats * FLAGS.steps):
+            start = time.perf_counter()
+            strategy.experimental_local_results(function())[0].numpy()
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {1e3 * float(np.median(times)):.1f} |")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        child(FLAGS.child)
+        return
+    import tensorflow as tf
+
+    print(f"TensorFlow {tf.__version__}; {os.cpu_count()} CPUs")
+    if "memory" in FLAGS.parts:
+        memory_part()
+    if "speed" in FLAGS.parts:
+        speed_part()
+
+
+if __name__ == "__main__":
+    app.run(main)

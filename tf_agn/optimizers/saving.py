@@ -1,0 +1,102 @@
+"""Saving an optimizer that wraps one with sharded state: its variables in
+Keras's layout, the sharded state whole.
+
+Keras's `LossScaleOptimizer`, `DistributedOptimizer` and the windowed
+optimizers list their wrapped optimizers' variables among their own, and
+Keras saves each with `.numpy()`, which gives one replica's part of
+sharded state. `save` and `load` give the wrapped tf_agn optimizer those
+values to convert (`Aggregating.saved_values` and `load_values`), so a
+file holds every variable with the unsharded optimizer's shape.
+
+`install` (run when `tf_agn.optimizers` is imported) makes Keras's
+`LossScaleOptimizer`, which `compile` puts around the optimizer under mixed
+precision, save and load this way when it wraps sharded state.
+
+Example, a wrapper of one's own:
+
+```python
+class MyWrapper(keras.optimizers.Optimizer):
+    def save_own_variables(self, store):
+        saving.save(self, store)
+
+    def load_own_variables(self, store):
+        saving.load(self, store)
+```
+"""
+
+from tf_agn import _compat
+from tf_agn.optimizers.aggregating import Aggregating
+
+
+def sharded_within(optimizer):
+    """The tf_agn optimizers with sharded state that `optimizer` is or
+    wraps (through `inner_optimizer` and `outer_optimizer`)."""
+    found = []
+    if isinstance(optimizer, Aggregating) and optimizer.shards_state:
+        found.append(optimizer)
+    for name in ("inner_optimizer", "outer_optimizer"):
+        nested = getattr(optimizer, name, None)
+        if nested is not None:
+            found.extend(sharded_within(nested))
+    return found
+
+
+def save(optimizer, store):
+    """Writes `optimizer.variables` to a Keras saving `store`, by position,
+    sharded state whole."""
+    by_id = {}
+    for sharded in sharded_within(optimizer):
+        by_id.update(zip(map(id, sharded.variables), sharded.saved_values()))
+    for i, variable in enumerate(optimizer.variables):
+        value = by_id.get(id(variable))
+        store[str(i)] = variable.numpy() if value is None else value
+
+
+def load(optimizer, store):
+    """Sets `optimizer.variables` from a Keras saving `store`, as `save`
+    wrote it (or the unsharded optimizer's Keras saved).
+
+    Raises:
+        ValueError: if the store holds another number of variables, or
+            sharded state of a shape that is not the unsharded one.
+    """
+    variables = optimizer.variables
+    if len(store.keys()) != len(variables):
+        raise ValueError(
+            f"{optimizer.name} has {len(variables)} variables; the saved "
+            f"optimizer has {len(store.keys())}. Was it saved from another optimizer?"
+        )
+    by_id = {id(v): store[str(i)] for i, v in enumerate(variables)}
+    loaded = set()
+    for sharded in sharded_within(optimizer):
+        sharded.load_values([by_id[id(v)] for v in sharded.variables])
+        loaded.update(map(id, sharded.variables))
+    for variable in variables:
+        if id(variable) not in loaded:
+            variable.assign(by_id[id(variable)])
+
+
+def _loss_scale_save(loss_scale_optimizer, store):
+    """`LossScaleOptimizer.save_own_variables`, sharded state whole."""
+    if sharded_within(loss_scale_optimizer):
+        save(loss_scale_optimizer, store)
+    else:
+        _compat.stock_loss_scale_method("save_own_variables")(loss_scale_optimizer, store)
+
+
+def _loss_scale_load(loss_scale_optimizer, store):
+    """`LossScaleOptimizer.load_own_variables`, sharded state from whole."""
+    if sharded_within(loss_scale_optimizer):
+        load(loss_scale_optimizer, store)
+    else:
+        _compat.stock_loss_scale_method("load_own_variables")(loss_scale_optimizer, store)
+
+
+def install():
+    """Makes Keras's `LossScaleOptimizer` save sharded state whole.
+    Idempotent."""
+    # Keras saves the inner optimizer's variables twice: in the loss scale
+    # optimizer's entry, after its own, and in the inner optimizer's.
+    _compat.replace_loss_scale_methods(
+        save_own_variables=_loss_scale_save, load_own_variables=_loss_scale_load
+    )
