@@ -24,9 +24,18 @@ def data():
     return x, y
 
 
-def build_model(strategy, **compile_kwargs):
-    """The compiled model with fixed initial weights, in `strategy`'s scope;
-    `compile_kwargs` go to `compile` (e.g. `steps_per_execution`)."""
+# Optimizers the restart tests train with besides AGN, by name.
+OPTIMIZERS = {
+    "agn": None,
+    "adam": lambda: tf_agn.optimizers.Adam(0.05),
+    "adam_sharded": lambda: tf_agn.optimizers.Adam(0.05, shard_optimizer_state=True),
+}
+
+
+def build_model(strategy, make_optimizer=None, **compile_kwargs):
+    """The compiled model with fixed initial weights, in `strategy`'s scope,
+    with AGN's optimizer or `make_optimizer()`'s; `compile_kwargs` go to
+    `compile` (e.g. `steps_per_execution`)."""
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras.Sequential(
@@ -37,7 +46,7 @@ def build_model(strategy, **compile_kwargs):
             ]
         )
         model.compile(
-            optimizer=tf_agn.optimizers.AGN(
+            optimizer=make_optimizer() if make_optimizer else tf_agn.optimizers.AGN(
                 keras.optimizers.Adam(0.05), local_steps=LOCAL_STEPS
             ),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -7,7 +7,11 @@ It is not a test module and must not import conftest (which splits the CPU
 into 4 devices): each worker keeps one CPU, one replica.
 
 Usage: python restart_worker.py WORKDIR [--kill_worker I --kill_epoch E
-    --kill_batch B] [--epochs N]
+    --kill_batch B] [--epochs N] [--optimizer adam|adam_sharded]
+    [--rows R --global_batch G]
+
+With --optimizer it trains with tf_agn's Adam (sharded or not) instead of
+AGN; with --rows and --global_batch, on the first R rows in batches of G.
 
 Worker I kills itself (SIGKILL) just before batch B of epoch E, unless
 WORKDIR/killed exists; it first writes that file, holding the time of the
@@ -106,13 +110,16 @@ def main():
     parser.add_argument("--kill_worker", type=int, default=-1)
     parser.add_argument("--kill_epoch", type=int, default=2)
     parser.add_argument("--kill_batch", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["agn", "adam", "adam_sharded"], default="agn")
+    parser.add_argument("--rows", type=int, default=restart_model.ROWS)
+    parser.add_argument("--global_batch", type=int, default=restart_model.GLOBAL_BATCH)
     args = parser.parse_args()
     name = task_name()
     backup_dir = os.path.join(args.workdir, "backup")
     record_writes(backup_dir, os.path.join(args.workdir, f"writes-{name}.jsonl"))
 
-    x, y = restart_model.data()
-    model = restart_model.build_model(STRATEGY)
+    x, y = (column[: args.rows] for column in restart_model.data())
+    model = restart_model.build_model(STRATEGY, restart_model.OPTIMIZERS[args.optimizer])
     callbacks = [
         tf_agn.callbacks.BackupAndRestore(
             backup_dir, save_freq=SAVE_FREQ, delete_checkpoint=False
@@ -122,7 +129,7 @@ def main():
         marker = os.path.join(args.workdir, "killed")
         callbacks.append(KillSelf(args.kill_epoch, args.kill_batch, marker))
     model.fit(
-        x, y, batch_size=restart_model.GLOBAL_BATCH, epochs=args.epochs,
+        x, y, batch_size=args.global_batch, epochs=args.epochs,
         shuffle=False, verbose=0, callbacks=callbacks,
     )
     (copy,) = restart_model.training_state(model)  # one replica per worker

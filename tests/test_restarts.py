@@ -203,12 +203,82 @@ def test_a_backup_of_another_model_is_refused(tmp_path):
                   callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir)])
 
 
-def test_a_backup_from_another_cluster_shape_is_refused(tmp_path):
+def test_a_windowed_backup_resumes_only_on_its_own_cluster_shape(tmp_path):
     backup_dir = str(tmp_path / "backup")
     _interrupted_fit(restart_model.build_model(tf_agn.strategies.mirrored()), backup_dir, 1, 0)
     model = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:2]))
-    with pytest.raises(ValueError, match="with 4 replicas; this cluster .* with 2"):
+    with pytest.raises(ValueError, match="AGN keeps local steps .* taken on, not on 2"):
         _fit(model, [tf_agn.callbacks.BackupAndRestore(backup_dir)])
+
+
+def _adam(shard=False, **kwargs):
+    # restart_model.OPTIMIZERS's, with more arguments.
+    return lambda: tf_agn.optimizers.Adam(0.05, shard_optimizer_state=shard, **kwargs)
+
+
+class _RecordState(keras.callbacks.Callback):
+    """Records, once `fit` begins, every local replica's copy of the
+    optimizer's `summed_state`."""
+
+    def on_train_begin(self, logs=None):
+        strategy = self.model.distribute_strategy
+        self.copies = [
+            [c.numpy() for c in strategy.experimental_local_results(v.value)]
+            for v in self.model.optimizer.summed_state()
+        ]
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
+@pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
+def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, first, then, shard):
+    """MEAN with the global batch unchanged: the resumed run ends where an
+    uninterrupted one does, the interrupted epoch's loss included."""
+    reference = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:then]), _adam())
+    reference_history = _fit(reference)
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(
+        restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:first]), _adam(shard)),
+        backup_dir, 2, 3, save_freq=2,
+    )
+    resumed = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:then]), _adam(shard))
+    history = _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+    for got, want in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for got, want in zip(resumed.optimizer.saved_values(), reference.optimizer.saved_values()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        history.history["loss"], reference_history.history["loss"][2:], rtol=1e-4
+    )
+
+
+def test_a_resized_backup_keeps_the_sum_of_the_residuals_and_warns_for_sum(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(
+        restart_model.build_model(
+            tf_agn.strategies.mirrored(DEVICES[:2]), _adam(aggregation_method="sum", compression="int8")
+        ),
+        backup_dir, 1, 2, save_freq=1,
+    )
+    pointer = _pointer(backup_dir)
+    with np.load(os.path.join(backup_dir, f"ckpt-{pointer['checkpoint']}.worker-0.npz")) as npz:
+        saved = dict(npz)
+    resumed = restart_model.build_model(
+        tf_agn.strategies.mirrored(DEVICES), _adam(aggregation_method="sum", compression="int8")
+    )
+    record = _RecordState()
+    with pytest.warns(UserWarning, match="Multiply the learning rate by 2/4"):
+        _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir), record], epochs=2)
+    offset = len(resumed.variables)
+    positions = [
+        offset + i for i, v in enumerate(resumed.optimizer.variables)
+        if v.path.endswith("_residual")
+    ]
+    assert len(positions) == len(record.copies) == 4
+    for position, copies in zip(positions, record.copies):
+        old = [saved.get(f"state/{position}/{r}", saved[f"state/{position}/0"]) for r in range(2)]
+        assert np.abs(old[0] - old[1]).max() > 0  # the replicas' residuals differ
+        np.testing.assert_allclose(np.sum(copies, axis=0), np.sum(old, axis=0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(copies[0], copies[3])  # shared evenly
 
 
 @pytest.mark.parametrize("save_freq", [0, -2, 1.5, True, "batch", None])
@@ -403,3 +473,35 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_
     assert other and all(re.fullmatch(r"ckpt-\d+\.worker-1\.npz(\.tmp)?", name)
                          for _, name in other), other
     assert _pointer(tmp_path / "backup")["tasks"] == ["worker-0", "worker-1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "adam_sharded"])
+def test_a_job_of_3_workers_resumes_as_a_job_of_2(tmp_path, optimizer):
+    """A 3-worker job dies (worker 1 is SIGKILLed, no restarts); a new job
+    of 2 workers on the same backup directory ends where an uninterrupted
+    run does (MEAN, the same global batch of 12)."""
+    rows, batch = 60, 12  # 5 steps an epoch; backups every 2
+    args = [sys.executable, WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
+            f"--rows={rows}", f"--global_batch={batch}"]
+    code, output = _launch(
+        ["--multi_worker", "3"],
+        args + ["--kill_worker", "1", f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+        _env(),
+    )
+    assert code != 0 and "killing myself" in output, output
+    assert _pointer(tmp_path / "backup")["num_replicas_in_sync"] == 3
+    code, output = _launch(["--multi_worker", "2"], args, _env())
+    assert code == 0, output
+
+    reference = restart_model.build_model(
+        tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS[optimizer]
+    )
+    x, y = restart_model.data()
+    reference.fit(x[:rows], y[:rows], batch_size=batch, epochs=restart_model.EPOCHS,
+                  shuffle=False, verbose=0)
+    for index in range(2):
+        with np.load(tmp_path / f"result-worker-{index}.npz") as npz:
+            got = [npz[str(i)] for i in range(len(reference.weights))]
+        for g, w in zip(got, reference.get_weights(), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -7,9 +7,11 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import resizing
 from tf_agn.backup_files import POINTER  # noqa: F401  (part of this module's interface)
 from tf_agn.backup_files import BackupFiles
 from tf_agn.backup_files import Task
+from tf_agn.replica_state import assign_every_copy
 from tf_agn.replica_state import assign_local_copies
 from tf_agn.replica_state import local_copies
 
@@ -34,10 +36,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     the same order (`shuffle=False`, or a dataset with a fixed seed that
     does not reshuffle per epoch) and the model, optimizer and `fit`
     arguments are the same; `communication_stats` restart from zero.
-    Restarting is a supervisor's job, on the cluster shape the backup was
-    taken on: `python -m tf_agn.strategies.launch --multi_worker N
-    --max_restarts K` on one machine, systemd or Kubernetes on several
-    (the directory on a shared filesystem).
+    Restarting is a supervisor's job: `python -m tf_agn.strategies.launch
+    --multi_worker N --max_restarts K` on one machine, systemd or
+    Kubernetes on several (the directory on a shared filesystem). A backup
+    also resumes on another number of workers or replicas (see
+    `tf_agn.resizing`), except for windowed optimizers.
 
     Example:
 
@@ -63,7 +66,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     Raises:
         ValueError: for an empty `backup_dir` or a `save_freq` that is
             neither "epoch" nor an int >= 1; from `fit`, for a backup taken
-            from another model, optimizer or cluster shape.
+            from another model or optimizer, or, on another cluster shape,
+            state that cannot be shared out anew (named).
         OSError: if `backup_dir` cannot be created or written to (e.g.
             `NotADirectoryError`, `PermissionError`); from `fit`, if a
             backup cannot be written or the pointer names a missing file.
@@ -117,7 +121,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._files.remove_temporary_files()
         self._epoch, self._step, self._steps_since_save = 0, 0, 0
         self._next_checkpoint = 0
-        self._restored = self._files.read_pointer(strategy.num_replicas_in_sync)
+        self._restored = self._files.read_pointer()
         if self._restored is not None:
             self._restore(self._restored)
 
@@ -128,12 +132,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             # `fit` reset the metrics just now: put back the interrupted
             # epoch's, so that its logs cover all of its batches.
             self._step = restored["step"]
-            assign_local_copies(
-                self.model.distribute_strategy,
-                self.model.metrics_variables,
-                self._metric_arrays,
-                "metrics",
-            )
+            strategy = self.model.distribute_strategy
+            if isinstance(self._metric_arrays, list):  # resized: one value each
+                assign_every_copy(strategy, self.model.metrics_variables, self._metric_arrays)
+            else:
+                assign_local_copies(
+                    strategy, self.model.metrics_variables, self._metric_arrays, "metrics"
+                )
         self._metric_arrays = None
 
     def on_train_batch_end(self, batch, logs=None):
@@ -208,10 +213,22 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore(self, pointer):
         """Restores the backup `pointer` names; `fit` resumes where it was
         taken."""
-        arrays = self._files.read_state(pointer["checkpoint"])
         strategy = self.model.distribute_strategy
-        assign_local_copies(strategy, self._state_variables(), arrays, "state")
-        self._metric_arrays = arrays
+        if (pointer["tasks"], pointer["num_replicas_in_sync"]) == (
+            self._task.all_names, strategy.num_replicas_in_sync
+        ):
+            arrays = self._files.read_state(pointer["checkpoint"])
+            assign_local_copies(strategy, self._state_variables(), arrays, "state")
+            self._metric_arrays = arrays
+        else:
+            # Another cluster shape: every old task's file, shared out anew.
+            task_arrays = [
+                self._files.read_state(pointer["checkpoint"], name) for name in pointer["tasks"]
+            ]
+            resizing.restore(self.model, task_arrays, pointer, strategy.num_replicas_in_sync)
+            self._metric_arrays = resizing.metric_values(
+                self.model, task_arrays, pointer, strategy.num_replicas_in_sync
+            )
         self._next_checkpoint = pointer["checkpoint"] + 1
         _compat.set_initial_epoch(self.model, pointer["epoch"])
         if pointer["step"]:

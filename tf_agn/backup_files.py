@@ -62,16 +62,16 @@ class BackupFiles:
         self._task = task
         self._pointer = os.path.join(backup_dir, POINTER)
 
-    def read_pointer(self, num_replicas_in_sync):
+    def read_pointer(self):
         """The latest complete backup's description, or None if there is none.
 
         Returns:
-            A dict with the backup's "checkpoint" number, and the "epoch" and
-            "step" within it that `fit` resumes from.
+            A dict with the backup's "checkpoint" number, the "epoch" and
+            "step" within it that `fit` resumes from, and the "tasks" and
+            "num_replicas_in_sync" it was taken on.
 
         Raises:
-            ValueError: if the backup is of another format, or was taken on
-                other tasks or another number of replicas.
+            ValueError: if the backup is of another format.
         """
         try:
             with open(self._pointer) as f:
@@ -82,17 +82,6 @@ class BackupFiles:
             raise ValueError(
                 f"{self._pointer} has format {pointer.get('format')!r}; this "
                 f"tf_agn reads {_FORMAT}."
-            )
-        if (
-            pointer["tasks"] != self._task.all_names
-            or pointer["num_replicas_in_sync"] != num_replicas_in_sync
-        ):
-            raise ValueError(
-                f"The backup in {self._backup_dir!r} was taken on tasks "
-                f"{pointer['tasks']} with {pointer['num_replicas_in_sync']} "
-                f"replicas; this cluster has tasks {self._task.all_names} with "
-                f"{num_replicas_in_sync}. Restart on the same cluster shape, or "
-                "delete the backup to start over."
             )
         return pointer
 
@@ -112,13 +101,14 @@ class BackupFiles:
         """Writes this task's file of backup `checkpoint`: named numpy arrays."""
         _write_atomically(self._state_path(checkpoint), lambda f: np.savez(f, **arrays))
 
-    def read_state(self, checkpoint):
-        """The named numpy arrays of this task's file of backup `checkpoint`.
+    def read_state(self, checkpoint, task_name=None):
+        """The named numpy arrays of a task's file of backup `checkpoint`:
+        this task's, or that of the task named `task_name`.
 
         Raises:
             FileNotFoundError: if the file is missing.
         """
-        path = self._state_path(checkpoint)
+        path = self._state_path(checkpoint, task_name)
         try:
             with np.load(path) as npz:
                 return dict(npz)
@@ -152,8 +142,9 @@ class BackupFiles:
         if not os.listdir(self._backup_dir):
             os.rmdir(self._backup_dir)
 
-    def _state_path(self, checkpoint):
-        return os.path.join(self._backup_dir, f"ckpt-{checkpoint}.{self._task.name}.npz")
+    def _state_path(self, checkpoint, task_name=None):
+        name = task_name or self._task.name
+        return os.path.join(self._backup_dir, f"ckpt-{checkpoint}.{name}.npz")
 
     def _own_files(self):
         """This task's state files, temporary ones included."""

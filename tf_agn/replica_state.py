@@ -66,6 +66,14 @@ def assign_local_copies(strategy, variables, arrays, prefix):
             copy.assign(arrays.get(f"{prefix}/{index}/{replica}", first))
 
 
+def assign_every_copy(strategy, variables, values):
+    """Puts `values[i]` on each of this process's replicas' copies of
+    `variables[i]`."""
+    for variable, value in zip(variables, values, strict=True):
+        for copy in strategy.experimental_local_results(_tf_variable(variable)):
+            copy.assign(value)
+
+
 def _tf_variable(variable):
     """The TensorFlow variable behind a Keras one (a distributed variable
     under a strategy)."""

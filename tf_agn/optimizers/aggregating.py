@@ -347,6 +347,24 @@ class Aggregating:
         )))
         return [wholes[i] if i in wholes else v.numpy() for i, v in enumerate(self.variables)]
 
+    def saved_shapes(self):
+        """The shapes of `saved_values`: the unsharded optimizer's."""
+        shapes = self._trainable_shapes()
+        return [
+            shapes[self._sharded.index_of_state(v)]
+            if self._sharded is not None and self._sharded.is_state(v) else tuple(v.shape)
+            for v in self.variables
+        ]
+
+    def summed_state(self):
+        """The variables each replica holds its own share of, whose sum over
+        the replicas is what training depends on: the gradient accumulators
+        and the compressors' residuals."""
+        accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
+        return accumulators + [
+            state["residual"] for state in self._compression_state if "residual" in state
+        ]
+
     def load_own_variables(self, store):
         if self._sharded is None:
             super().load_own_variables(store)

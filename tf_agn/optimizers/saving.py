@@ -28,28 +28,44 @@ from tf_agn import _compat
 from tf_agn.optimizers.aggregating import Aggregating
 
 
-def sharded_within(optimizer):
-    """The tf_agn optimizers with sharded state that `optimizer` is or
-    wraps (through `inner_optimizer` and `outer_optimizer`)."""
-    found = []
-    if isinstance(optimizer, Aggregating) and optimizer.shards_state:
-        found.append(optimizer)
+def aggregating_within(optimizer):
+    """The tf_agn optimizers that `optimizer` is or wraps (through
+    `inner_optimizer` and `outer_optimizer`)."""
+    found = [optimizer] if isinstance(optimizer, Aggregating) else []
     for name in ("inner_optimizer", "outer_optimizer"):
         nested = getattr(optimizer, name, None)
         if nested is not None:
-            found.extend(sharded_within(nested))
+            found.extend(aggregating_within(nested))
     return found
+
+
+def sharded_within(optimizer):
+    """The tf_agn optimizers with sharded state that `optimizer` is or
+    wraps."""
+    return [found for found in aggregating_within(optimizer) if found.shards_state]
+
+
+def saved_values(optimizer):
+    """`optimizer.variables`' values, sharded state whole."""
+    by_id = {}
+    for sharded in sharded_within(optimizer):
+        by_id.update(zip(map(id, sharded.variables), sharded.saved_values()))
+    return [v.numpy() if id(v) not in by_id else by_id[id(v)] for v in optimizer.variables]
+
+
+def saved_shapes(optimizer):
+    """The shapes of `saved_values`: the unsharded optimizer's."""
+    by_id = {}
+    for sharded in sharded_within(optimizer):
+        by_id.update(zip(map(id, sharded.variables), sharded.saved_shapes()))
+    return [by_id.get(id(v), tuple(v.shape)) for v in optimizer.variables]
 
 
 def save(optimizer, store):
     """Writes `optimizer.variables` to a Keras saving `store`, by position,
     sharded state whole."""
-    by_id = {}
-    for sharded in sharded_within(optimizer):
-        by_id.update(zip(map(id, sharded.variables), sharded.saved_values()))
-    for i, variable in enumerate(optimizer.variables):
-        value = by_id.get(id(variable))
-        store[str(i)] = variable.numpy() if value is None else value
+    for i, value in enumerate(saved_values(optimizer)):
+        store[str(i)] = value
 
 
 def load(optimizer, store):
@@ -57,16 +73,25 @@ def load(optimizer, store):
     wrote it (or the unsharded optimizer's Keras saved).
 
     Raises:
-        ValueError: if the store holds another number of variables, or
-            sharded state of a shape that is not the unsharded one.
+        ValueError: as `load_values`.
+    """
+    load_values(optimizer, [store[str(i)] for i in range(len(store.keys()))])
+
+
+def load_values(optimizer, values):
+    """Sets `optimizer.variables` from values as `saved_values` gives them.
+
+    Raises:
+        ValueError: for another number of values, or sharded state of a
+            shape that is not the unsharded one.
     """
     variables = optimizer.variables
-    if len(store.keys()) != len(variables):
+    if len(values) != len(variables):
         raise ValueError(
             f"{optimizer.name} has {len(variables)} variables; the saved "
-            f"optimizer has {len(store.keys())}. Was it saved from another optimizer?"
+            f"optimizer has {len(values)}. Was it saved from another optimizer?"
         )
-    by_id = {id(v): store[str(i)] for i, v in enumerate(variables)}
+    by_id = {id(v): value for v, value in zip(variables, values)}
     loaded = set()
     for sharded in sharded_within(optimizer):
         sharded.load_values([by_id[id(v)] for v in sharded.variables])

@@ -16,7 +16,8 @@ for the parts only, so each replica holds 1/n of it. Each step:
 A reduce-scatter and an all-gather move what one all-reduce moves. Weight
 decay is applied to every replica's whole copy before, as without
 sharding; `clipnorm` and `global_clipnorm` clip the parts by the whole
-gradients' norms; the weights every replica holds stay equal.
+gradients' norms; the weights every replica holds stay equal. With fp16 or
+bf16 compression the gradients travel in that dtype; the weights do not.
 
 Example:
 
@@ -34,6 +35,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.compression import Cast
 from tf_agn.finite import all_finite
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
@@ -84,8 +86,8 @@ def check_shardable(optimizer, method, compressor):
         )
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
-    if compressor is not None:
-        problems.append(f"compression={compressor.name!r} (not yet with sharding)")
+    if compressor is not None and not isinstance(compressor, Cast):
+        problems.append(f"compression={compressor.name!r} (fp16 and bf16 shard)")
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")
     strategy = _compat.creation_strategy(optimizer)
@@ -230,17 +232,22 @@ class ShardedState:
                 is skipped on all.
         """
         rows = [self._rows(g, i) for i, g in enumerate(grads)]
-        # As an all-reduce: the reduce-scatter and the all-gather move its
-        # volume between them.
+        cast = optimizer.resolved_compression  # None, or fp16's or bf16's
+        # As an all-reduce's payload: the reduce-scatter moves half its
+        # volume in the wire dtype, the all-gather of the weights the other
+        # half in theirs.
         optimizer._communication.record(
-            sum(r.shape.num_elements() * r.dtype.size for r in rows), when
+            sum(r.shape.num_elements() * (_wire(cast, r.dtype).size + r.dtype.size) // 2 for r in rows),
+            when,
         )
         combined = [None] * len(grads)
         for pack in self.packs:
+            joined = tf.concat([rows[i] for i in pack], 1)
+            wire = joined if _wire(cast, joined.dtype) == joined.dtype else cast.compress(joined)
             (summed,) = reduce_scatter(
-                [tf.concat([rows[i] for i in pack], 1)], optimizer.resolved_aggregation,
-                gradient_scale() * value_scale, when,
+                [wire], optimizer.resolved_aggregation, gradient_scale() * value_scale, when,
             )
+            summed = tf.cast(summed, joined.dtype)
             for i, part in zip(pack, tf.split(summed, [self.parts[i] for i in pack])):
                 combined[i] = part
         combined = self._clipped(optimizer, combined, when)
@@ -311,6 +318,11 @@ class ShardedState:
         flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
         padding = self.parts[index] * self.num_replicas - self.sizes[index]
         return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
+
+
+def _wire(cast, dtype):
+    """The dtype `dtype`'s values travel in under `cast` (None: their own)."""
+    return dtype if cast is None else tf.as_dtype(cast.wire_dtype(dtype))
 
 
 def _run_if(when, function):

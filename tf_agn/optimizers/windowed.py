@@ -395,6 +395,14 @@ def _check_outer_optimizer(outer_optimizer):
             "outer_optimizer must be a keras.optimizers.Optimizer; received "
             f"{outer_optimizer!r}."
         )
+    if getattr(outer_optimizer, "shard_optimizer_state", False):
+        # The commit applies it in place on every replica's center.
+        raise ValueError(
+            f"outer_optimizer {type(outer_optimizer).__name__}(shard_optimizer_"
+            "state=True) is not supported yet: a windowed optimizer steps its "
+            "outer optimizer whole on every replica. Pass it with "
+            "shard_optimizer_state=False."
+        )
     _compat.check_updates_in_place(outer_optimizer)
     rate = _compat.learning_rate_source(outer_optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):

@@ -1,0 +1,141 @@
+"""Restoring a `tf_agn.callbacks.BackupAndRestore` backup on another number
+of replicas or workers than it was taken on.
+
+What every replica holds alike (the weights of synchronous training, the
+optimizer's state) is restored as it was. Sharded optimizer state is joined
+from every old replica's part and shared out again over the new replicas.
+What each replica holds a share of (gradient accumulators, int8's error
+feedback residuals, the metrics' totals) keeps its sum: each new replica
+takes the old replicas' sum divided by the new number. Anything else that
+differs between replicas (a windowed optimizer's local steps, aggregation
+NONE, PowerSGD's factored residuals) is refused by name.
+"""
+
+import warnings
+
+import numpy as np
+
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.optimizers import saving
+from tf_agn.optimizers.windowed import WindowedOptimizer
+
+
+def replicas_copies(task_arrays, num_replicas, prefix, index):
+    """Every old replica's copy of variable `index`, in global replica
+    order.
+
+    Args:
+        task_arrays: each old task's backup arrays, in the tasks' order.
+        num_replicas: the old replicas in sync, spread evenly over tasks.
+        prefix: "state" or "metrics".
+        index: the variable's position in the backup.
+    """
+    per_task = num_replicas // len(task_arrays)
+    return [
+        arrays.get(f"{prefix}/{index}/{replica}", arrays[f"{prefix}/{index}/0"])
+        for arrays in task_arrays
+        for replica in range(per_task)
+    ]
+
+
+def restore(model, task_arrays, pointer, num_replicas):
+    """Restores `model`'s weights and optimizer state from a backup taken on
+    `pointer["num_replicas_in_sync"]` replicas, onto `num_replicas`.
+
+    Raises:
+        ValueError: for a backup of another model, or state that differs
+            between replicas and cannot be shared out (named).
+    """
+    old_replicas = pointer["num_replicas_in_sync"]
+    optimizer = model.optimizer
+    if isinstance(optimizer, WindowedOptimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__} keeps local steps on every replica: "
+            f"its backup resumes on the {old_replicas} replicas it was taken "
+            f"on, not on {num_replicas}."
+        )
+    weights = list(model.variables)
+    optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+    saved = sum(1 for key in task_arrays[0] if key.startswith("state/") and key.endswith("/0"))
+    if saved != len(weights) + len(optimizer_variables):
+        raise ValueError(
+            f"The backup holds {saved} state variables; this model and "
+            f"optimizer have {len(weights) + len(optimizer_variables)}. Was it "
+            "taken from another model or optimizer?"
+        )
+
+    def copies(index, prefix="state"):
+        return replicas_copies(task_arrays, old_replicas, prefix, index)
+
+    for index, variable in enumerate(weights):
+        variable.assign(_alike(copies(index), variable.path))
+    if optimizer is not None:
+        shapes = saving.saved_shapes(optimizer)
+        summed = {id(v) for found in saving.aggregating_within(optimizer) for v in found.summed_state()}
+        values = [
+            _resized(copies(len(weights) + i), shape, id(v) in summed, num_replicas, v.path)
+            for i, (v, shape) in enumerate(zip(optimizer_variables, shapes))
+        ]
+        saving.load_values(optimizer, values)
+        _warn_if_the_step_changes(optimizer, old_replicas, num_replicas)
+
+
+def metric_values(model, task_arrays, pointer, num_replicas):
+    """What each of `num_replicas` replicas takes of each of `model`'s
+    metric variables, from a backup taken on another number: a share of
+    the old replicas' sum."""
+    old_replicas = pointer["num_replicas_in_sync"]
+    values = []
+    for index, variable in enumerate(model.metrics_variables):
+        copies = replicas_copies(task_arrays, old_replicas, "metrics", index)
+        if all(np.array_equal(c, copies[0]) for c in copies) and not _is_float(copies[0]):
+            values.append(copies[0])
+        elif _is_float(copies[0]):
+            values.append(_share(np.sum(copies, axis=0), num_replicas))
+        else:
+            values.append(_alike(copies, variable.path))
+    return values
+
+
+def _resized(copies, shape, summed, num_replicas, path):
+    """The value every new replica takes of an optimizer variable of
+    unsharded shape `shape`, from the old replicas' `copies`."""
+    size = int(np.prod(shape))
+    if tuple(copies[0].shape) != tuple(shape):
+        # Sharded when backed up: each replica's part, padded.
+        return np.concatenate([np.ravel(c) for c in copies])[:size].reshape(shape)
+    if summed:
+        return _share(np.sum(copies, axis=0), num_replicas)
+    return _alike(copies, path)
+
+
+def _alike(copies, path):
+    """The one value of `copies`, which every replica held alike."""
+    if any(not np.array_equal(c, copies[0]) for c in copies[1:]):
+        raise ValueError(
+            f"The replicas' copies of {path} differ in the backup (local "
+            "steps, aggregation NONE, or per-replica compressor state other "
+            "than int8's residual): it resumes only on the number of replicas "
+            "it was taken on."
+        )
+    return copies[0]
+
+
+def _share(total, num_replicas):
+    return (total / num_replicas).astype(total.dtype)
+
+
+def _is_float(value):
+    return np.issubdtype(np.asarray(value).dtype, np.floating)
+
+
+def _warn_if_the_step_changes(optimizer, old_replicas, num_replicas):
+    methods = {found.resolved_aggregation for found in saving.aggregating_within(optimizer)}
+    if AggregationMethod.SUM in methods:
+        warnings.warn(
+            f"Resuming a SUM-aggregated run of {old_replicas} replicas on "
+            f"{num_replicas}: the combined gradient now sums {num_replicas} "
+            f"replicas' gradients. Multiply the learning rate by "
+            f"{old_replicas}/{num_replicas} to keep the step.",
+            stacklevel=3,
+        )
