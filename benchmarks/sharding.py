@@ -1,6 +1,6 @@
 """Sharded optimizer state (`shard_optimizer_state=True`): memory and speed.
 
-    python benchmarks/sharding.py                 # both parts, 4 logical CPUs
+    python benchmarks/sharding.py                 # every part
     python benchmarks/sharding.py --parts=memory
 
 1. memory: for the 784-4096-4096-1024-10 MLP (24.2M parameters) and
@@ -20,6 +20,9 @@
    unsharded and sharded; the communication alone (a reduce-scatter and an
    all-gather of the gradients' volume against one all-reduce), with its
    bytes. Target: sharded <= 1.05x unsharded.
+3. workers: the speed part's fit steps across `--num_workers` localhost
+   worker processes, one CPU replica each (stock Keras over TensorFlow's
+   own collectives, tf_agn's over its collective transport).
 """
 
 import json
@@ -35,7 +38,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["memory", "speed"], "memory, speed.")
+flags.DEFINE_list("parts", ["memory", "speed", "workers"], "memory, speed, workers.")
+flags.DEFINE_integer("num_workers", 2, "Worker processes of the workers part.")
 flags.DEFINE_integer("num_replicas", 4, "Logical CPU replicas.")
 flags.DEFINE_list("hidden_units", ["4096", "4096", "1024"], "The MLP's hidden widths.")
 flags.DEFINE_integer("steps", 5, "fit steps a round (memory: steps trained).")
@@ -138,8 +142,55 @@ def memory_part():
         print(f"| {name} | {formula} | {value * 1e9 / 2**30:.1f} |")
 
 
-def speed_part():
+CANDIDATES = {
+    "stock Keras (default ops)": (False, False),
+    "tf_agn unsharded": (True, False),
+    "tf_agn sharded": (True, True),
+}
+
+
+def timed_fit_steps(strategy_for, x, y, rows, say):
+    """Times the median `model.fit` step of each of `CANDIDATES` (Keras's
+    Adam, tf_agn's unsharded and sharded) and prints a table and verdict.
+
+    Args:
+        strategy_for: `strategy_for(name)`, the strategy candidate `name`
+            is built and trained under.
+        x, y: `--steps` global batches of `rows` rows.
+        rows: the global batch.
+        say: `print`, or nothing on a worker other than the chief.
+    """
+    import keras
     import numpy as np
+
+    import tf_agn
+
+    say("| candidate | ms a step |")
+    say("|---|---|")
+    medians = {}
+    for name, (ours, shard) in CANDIDATES.items():
+
+        def make_optimizer(ours=ours, shard=shard):
+            if ours:
+                return tf_agn.optimizers.Adam(1e-4, shard_optimizer_state=shard)
+            return keras.optimizers.Adam(1e-4)
+
+        strategy = strategy_for(name)
+        model = build("mlp", make_optimizer, strategy)
+        model.fit(x[: rows * 2], y[: rows * 2], batch_size=rows, verbose=0)  # trace
+        times = []
+        for _ in range(FLAGS.repeats):
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+            times.append((time.perf_counter() - start) / FLAGS.steps)
+        medians[name] = 1e3 * float(np.median(times))
+        say(f"| {name} | {medians[name]:.1f} |")
+    ratio = medians["tf_agn sharded"] / medians["tf_agn unsharded"]
+    verdict = "PASS" if ratio <= MAX_SHARDED_TO_UNSHARDED else "FAIL"
+    say(f"  {verdict}: sharded / unsharded = {ratio:.2f}; target <= {MAX_SHARDED_TO_UNSHARDED}")
+
+
+def speed_part():
     import tensorflow as tf
 
     import tf_agn
@@ -147,36 +198,54 @@ def speed_part():
     devices = tf_agn.strategies.split_cpu(FLAGS.num_replicas)
     rows = FLAGS.rows_per_replica * FLAGS.num_replicas
     x, y = data("mlp", rows * FLAGS.steps)
-    candidates = {
-        "stock Keras (default ops)": (tf.distribute.MirroredStrategy(devices), False, False),
-        "tf_agn unsharded": (tf_agn.strategies.mirrored(devices), True, False),
-        "tf_agn sharded": (tf_agn.strategies.mirrored(devices), True, True),
-    }
+    stock, ours = tf.distribute.MirroredStrategy(devices), tf_agn.strategies.mirrored(devices)
     print(f"\n-- speed: MLP, {rows} rows a step over {FLAGS.num_replicas} replicas, median fit step")
-    print("| candidate | ms a step |")
-    print("|---|---|")
-    medians = {}
-    for name, (strategy, ours, shard) in candidates.items():
-        import keras
-
-        def make_optimizer(ours=ours, shard=shard):
-            if ours:
-                return tf_agn.optimizers.Adam(1e-4, shard_optimizer_state=shard)
-            return keras.optimizers.Adam(1e-4)
-
-        model = build("mlp", make_optimizer, strategy)
-        model.fit(x[:rows * 2], y[:rows * 2], batch_size=rows, verbose=0)  # trace
-        times = []
-        for _ in range(FLAGS.repeats):
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
-            times.append((time.perf_counter() - start) / FLAGS.steps)
-        medians[name] = 1e3 * float(np.median(times))
-        print(f"| {name} | {medians[name]:.1f} |")
-    ratio = medians["tf_agn sharded"] / medians["tf_agn unsharded"]
-    verdict = "PASS" if ratio <= MAX_SHARDED_TO_UNSHARDED else "FAIL"
-    print(f"  {verdict}: sharded / unsharded = {ratio:.2f}; target <= {MAX_SHARDED_TO_UNSHARDED}")
+    timed_fit_steps(lambda name: ours if CANDIDATES[name][0] else stock, x, y, rows, print)
     communication_only(devices)
+
+
+def workers_part():
+    """The speed part across `--num_workers` worker processes, one CPU
+    replica each: this process relaunches itself as every worker."""
+    if "TF_CONFIG" not in os.environ:
+        from tf_agn.strategies import launch
+
+        print(f"\n-- speed: {FLAGS.num_workers} workers on localhost, one CPU replica each")
+        sys.stdout.flush()
+        command = [sys.executable, __file__, "--parts=workers", *_forwarded_flags()]
+        code = launch.run_workers(command, FLAGS.num_workers)
+        if code:
+            sys.exit(code)
+        return
+    import tf_agn
+    from tf_agn import _compat
+
+    strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy()
+    task = int(strategy.cluster_resolver.task_id)
+    ours = tf_agn.AggregatingAllReduce(
+        transport="collective", num_workers=FLAGS.num_workers, worker_index=task
+    )
+    ops = {False: _compat.cross_device_ops(strategy.extended), True: ours}
+    is_chief = task == 0
+
+    def strategy_for(name):
+        # TensorFlow's collectives for Keras's Adam, tf_agn's for tf_agn's.
+        _compat.replace_cross_device_ops(strategy.extended, ops[CANDIDATES[name][0]])
+        return strategy
+
+    rows = FLAGS.rows_per_replica * FLAGS.num_workers
+    x, y = data("mlp", rows * FLAGS.steps)
+    say = print if is_chief else (lambda *args, **kwargs: None)
+    say(f"MLP, {rows} rows a step, median fit step")
+    timed_fit_steps(strategy_for, x, y, rows, say)
+
+
+def _forwarded_flags():
+    return [
+        f"--steps={FLAGS.steps}", f"--repeats={FLAGS.repeats}",
+        f"--rows_per_replica={FLAGS.rows_per_replica}",
+        f"--hidden_units={','.join(FLAGS.hidden_units)}", f"--num_workers={FLAGS.num_workers}",
+    ]
 
 
 def communication_only(devices):
@@ -228,6 +297,9 @@ def main(argv):
     if FLAGS.child:
         child(FLAGS.child)
         return
+    if "TF_CONFIG" in os.environ:  # a worker of the workers part
+        workers_part()
+        return
     import tensorflow as tf
 
     print(f"TensorFlow {tf.__version__}; {os.cpu_count()} CPUs")
@@ -235,6 +307,8 @@ def main(argv):
         memory_part()
     if "speed" in FLAGS.parts:
         speed_part()
+    if "workers" in FLAGS.parts:
+        workers_part()
 
 
 if __name__ == "__main__":

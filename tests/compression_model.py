@@ -12,7 +12,7 @@ def data(rows=512, seed=0):
     return x, y
 
 
-def build(strategy, optimizer_fn):
+def build(strategy, optimizer_fn, **compile_kwargs):
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential(
@@ -22,5 +22,5 @@ def build(strategy, optimizer_fn):
                 keras.layers.Dense(3),
             ]
         )
-        model.compile(optimizer_fn(), "mse")
+        model.compile(optimizer_fn(), "mse", **compile_kwargs)
     return model

@@ -88,7 +88,8 @@ def test_compression_runs_and_reports():
 
 @pytest.mark.slow
 def test_sharding_runs_and_reports():
-    # A 784-64-10 MLP in fresh processes, 2 steps, 1 round.
+    # A 784-64-10 MLP, 2 steps, 1 round: memory in fresh processes, speed
+    # on 2 logical CPUs and across 2 workers.
     result = run_python(
         os.path.join(ROOT, "benchmarks", "sharding.py"),
         "--hidden_units=64", "--models=mlp", "--steps=2", "--repeats=1", "--num_replicas=2",
@@ -104,4 +105,6 @@ def test_sharding_runs_and_reports():
     states = [float(s) for s in re.findall(r"^\| mlp \S+ \| \w+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|", out, re.M)]
     assert len(states) == 2 and states[1] < 0.8 * states[0], out
     assert re.search(r"^  (PASS|FAIL): the MLP's peak resident memory", out, re.M)
-    assert re.search(r"^  (PASS|FAIL): sharded / unsharded = \d", out, re.M)
+    # On 2 logical CPUs, then across 2 worker processes.
+    assert len(re.findall(r"^  (PASS|FAIL): sharded / unsharded = \d", out, re.M)) == 2, out
+    assert "-- speed: 2 workers on localhost" in out

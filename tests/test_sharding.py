@@ -111,6 +111,23 @@ def test_sum_and_mean_on_both_transports(transport, method):
     assert_same_training(train(strategy, make, True, method), train(strategy, make, False, method))
 
 
+def test_several_steps_per_execution_train_as_one():
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    models = []
+    for steps_per_execution in (1, 10):
+        model = build(
+            strategy,
+            lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True),
+            steps_per_execution=steps_per_execution,
+        )
+        model.fit(*data(rows=20 * BATCH), batch_size=BATCH, verbose=0, shuffle=False)
+        models.append(model)
+    for got, want in zip(models[1].get_weights(), models[0].get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(models[1].optimizer.saved_values(), models[0].optimizer.saved_values()):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_update_step_receives_each_replicas_part():
     seen = []
 
