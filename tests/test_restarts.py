@@ -203,12 +203,47 @@ def test_a_backup_of_another_model_is_refused(tmp_path):
                   callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir)])
 
 
-def test_a_windowed_backup_resumes_only_on_its_own_cluster_shape(tmp_path):
+class _RecordStart(keras.callbacks.Callback):
+    """Records, once `fit` begins, replica 0's weights and the optimizer's
+    step count."""
+
+    def on_train_begin(self, logs=None):
+        self.weights = [np.array(w) for w in self.model.get_weights()]
+        self.iterations = int(self.model.optimizer.iterations.numpy())
+        self.state = tf_agn.replica_weights(self.model.optimizer.variables)
+
+
+def test_a_windowed_backup_resumes_from_its_last_commit_on_another_shape(tmp_path):
     backup_dir = str(tmp_path / "backup")
-    _interrupted_fit(restart_model.build_model(tf_agn.strategies.mirrored()), backup_dir, 1, 0)
+    _interrupted_fit(
+        restart_model.build_model(tf_agn.strategies.mirrored()), backup_dir, 2, 3, save_freq=2
+    )
+    pointer = _pointer(backup_dir)
+    with np.load(os.path.join(backup_dir, f"ckpt-{pointer['checkpoint']}.worker-0.npz")) as npz:
+        saved = dict(npz)
+    # Mid-window: the replicas' weights differ; the centers are alike.
+    assert not np.array_equal(saved["state/0/0"], saved["state/0/1"])
     model = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:2]))
-    with pytest.raises(ValueError, match="AGN keeps local steps .* taken on, not on 2"):
-        _fit(model, [tf_agn.callbacks.BackupAndRestore(backup_dir)])
+    record = _RecordStart()
+    history = _fit(model, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2), record])
+    centers = [
+        len(model.variables) + i for i, v in enumerate(model.optimizer.variables)
+        if v.path.endswith("center")
+    ]
+    assert len(centers) == len(record.weights)
+    for weight, position in zip(record.weights, centers):
+        np.testing.assert_array_equal(weight, saved[f"state/{position}/0"])
+    # Step 10 of the window from step 9 was dropped: a new window begins.
+    assert record.iterations == 9 and record.iterations % restart_model.LOCAL_STEPS == 0
+    # The inner Adam's moments, per replica: the old replicas' mean.
+    moments = [i for i, v in enumerate(model.optimizer.variables) if v.path.endswith("momentum")]
+    assert len(moments) == 4
+    for i in moments:
+        key = f"state/{len(model.variables) + i}"
+        old = [saved.get(f"{key}/{r}", saved[f"{key}/0"]) for r in range(4)]
+        for replica in record.state:
+            np.testing.assert_allclose(replica[i], np.mean(old, axis=0), rtol=1e-6, atol=1e-8)
+    assert np.isfinite(history.history["loss"]).all()
 
 
 def _adam(shard=False, **kwargs):

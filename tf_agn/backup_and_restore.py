@@ -40,7 +40,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     --multi_worker N --max_restarts K` on one machine, systemd or
     Kubernetes on several (the directory on a shared filesystem). A backup
     also resumes on another number of workers or replicas (see
-    `tf_agn.resizing`), except for windowed optimizers.
+    `tf_agn.resizing`; a windowed optimizer from its last commit).
 
     Example:
 

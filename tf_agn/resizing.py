@@ -6,8 +6,13 @@ optimizer's state) is restored as it was. Sharded optimizer state is joined
 from every old replica's part and shared out again over the new replicas.
 What each replica holds a share of (gradient accumulators, int8's error
 feedback residuals, the metrics' totals) keeps its sum: each new replica
-takes the old replicas' sum divided by the new number. Anything else that
-differs between replicas (a windowed optimizer's local steps, aggregation
+takes the old replicas' sum divided by the new number.
+
+A windowed optimizer (AGN and the others) resumes from its last committed
+window: every replica's weights are the center, its inner optimizer's step
+count goes back to that window's end, and its inner optimizer's state is
+the old replicas' mean. The local steps taken since are not committed and
+are dropped. Anything else that differs between replicas (aggregation
 NONE, PowerSGD's factored residuals) is refused by name.
 """
 
@@ -48,12 +53,6 @@ def restore(model, task_arrays, pointer, num_replicas):
     """
     old_replicas = pointer["num_replicas_in_sync"]
     optimizer = model.optimizer
-    if isinstance(optimizer, WindowedOptimizer):
-        raise ValueError(
-            f"{type(optimizer).__name__} keeps local steps on every replica: "
-            f"its backup resumes on the {old_replicas} replicas it was taken "
-            f"on, not on {num_replicas}."
-        )
     weights = list(model.variables)
     optimizer_variables = list(optimizer.variables) if optimizer is not None else []
     saved = sum(1 for key in task_arrays[0] if key.startswith("state/") and key.endswith("/0"))
@@ -67,16 +66,30 @@ def restore(model, task_arrays, pointer, num_replicas):
     def copies(index, prefix="state"):
         return replicas_copies(task_arrays, old_replicas, prefix, index)
 
+    windowed = isinstance(optimizer, WindowedOptimizer)
+    if windowed:
+        # The last committed window: the centers, alike on every replica.
+        position = {id(v): len(weights) + i for i, v in enumerate(optimizer_variables)}
+        centers = {
+            id(v): position[id(c)]
+            for v, c in zip(model.trainable_variables, optimizer.center_variables)
+        }
     for index, variable in enumerate(weights):
-        variable.assign(_alike(copies(index), variable.path))
+        source = centers.get(id(variable), index) if windowed else index
+        variable.assign(_alike(copies(source), variable.path))
     if optimizer is not None:
         shapes = saving.saved_shapes(optimizer)
-        summed = {id(v) for found in saving.aggregating_within(optimizer) for v in found.summed_state()}
+        summed = {id(v) for found in _summing(optimizer) for v in found.summed_state()}
+        averaged = {id(v) for v in optimizer.inner_optimizer.variables} if windowed else set()
         values = [
-            _resized(copies(len(weights) + i), shape, id(v) in summed, num_replicas, v.path)
+            _resized(copies(len(weights) + i), shape, id(v) in summed, num_replicas, v.path,
+                     averaged=id(v) in averaged)
             for i, (v, shape) in enumerate(zip(optimizer_variables, shapes))
         ]
         saving.load_values(optimizer, values)
+        if windowed:
+            iterations = optimizer.inner_optimizer.iterations
+            iterations.assign(iterations.numpy() // optimizer.local_steps * optimizer.local_steps)
         _warn_if_the_step_changes(optimizer, old_replicas, num_replicas)
 
 
@@ -97,7 +110,7 @@ def metric_values(model, task_arrays, pointer, num_replicas):
     return values
 
 
-def _resized(copies, shape, summed, num_replicas, path):
+def _resized(copies, shape, summed, num_replicas, path, averaged=False):
     """The value every new replica takes of an optimizer variable of
     unsharded shape `shape`, from the old replicas' `copies`."""
     size = int(np.prod(shape))
@@ -106,17 +119,25 @@ def _resized(copies, shape, summed, num_replicas, path):
         return np.concatenate([np.ravel(c) for c in copies])[:size].reshape(shape)
     if summed:
         return _share(np.sum(copies, axis=0), num_replicas)
+    if averaged and _is_float(copies[0]):
+        return _share(np.sum(copies, axis=0), len(copies))
     return _alike(copies, path)
+
+
+def _summing(optimizer):
+    """The optimizers within `optimizer` that hold `summed_state`."""
+    within = saving.aggregating_within(optimizer)
+    return within + ([optimizer] if isinstance(optimizer, WindowedOptimizer) else [])
 
 
 def _alike(copies, path):
     """The one value of `copies`, which every replica held alike."""
     if any(not np.array_equal(c, copies[0]) for c in copies[1:]):
         raise ValueError(
-            f"The replicas' copies of {path} differ in the backup (local "
-            "steps, aggregation NONE, or per-replica compressor state other "
-            "than int8's residual): it resumes only on the number of replicas "
-            "it was taken on."
+            f"The replicas' copies of {path} differ in the backup "
+            "(aggregation NONE, or per-replica compressor state other than "
+            "int8's residual): it resumes only on the number of replicas it "
+            "was taken on."
         )
     return copies[0]
 
@@ -131,6 +152,8 @@ def _is_float(value):
 
 def _warn_if_the_step_changes(optimizer, old_replicas, num_replicas):
     methods = {found.resolved_aggregation for found in saving.aggregating_within(optimizer)}
+    if isinstance(optimizer, WindowedOptimizer):
+        methods.add(optimizer.aggregation)  # the commits'
     if AggregationMethod.SUM in methods:
         warnings.warn(
             f"Resuming a SUM-aggregated run of {old_replicas} replicas on "

@@ -163,6 +163,11 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
         # In this order, as files saved by earlier releases hold them.
         return super().variables + self.outer_optimizer.variables
 
+    def summed_state(self):
+        """The variables each replica holds its own share of, whose sum over
+        the replicas is what training depends on: the commits' residuals."""
+        return [state["residual"] for state in self._commit_state if "residual" in state]
+
     @property
     def center_variables(self):
         """θ_c, the weights every replica starts its window from."""
