@@ -81,6 +81,7 @@ import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
+from tf_agn.optimizers import saving  # noqa: E402
 from tf_agn.replica_aggregation import tf_agn_ops  # noqa: E402
 from multi_worker_data import COMPRESSION_STATE  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
@@ -222,7 +223,7 @@ def main(inputs_path, model_path, out_dir):
         (local,) = strategy.experimental_local_results(variable.value)
         result[f"sharded/state/{i}"] = local.numpy()
     # What `model.save` writes, gathered from every worker's part.
-    for i, value in enumerate(model.optimizer.saved_values()):
+    for i, value in enumerate(saving.saved_values(model.optimizer)):
         result[f"sharded/saved/{i}"] = value
 
     write_results(out_dir, task_index, result)

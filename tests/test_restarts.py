@@ -27,7 +27,9 @@ import restart_model
 import tf_agn
 from conftest import DEVICES
 from scripts import checkout_env
+from tf_agn import resizing
 from tf_agn.backup_and_restore import POINTER
+from tf_agn.optimizers import saving
 from tf_agn.strategies import launch
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
@@ -252,15 +254,31 @@ def _adam(shard=False, **kwargs):
 
 
 class _RecordState(keras.callbacks.Callback):
-    """Records, once `fit` begins, every local replica's copy of the
-    optimizer's `summed_state`."""
+    """Records, once `fit` begins, what each local replica owes under
+    error feedback, per compressed variable."""
 
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        self.copies = [
-            [c.numpy() for c in strategy.experimental_local_results(v.value)]
-            for v in self.model.optimizer.summed_state()
+        compressor, states = self.model.optimizer.error_feedback_state()
+        self.positions = [
+            {key: _position(self.model, v) for key, v in state.items()} for state in states
         ]
+        self.owed = [
+            [
+                resizing.owed_by(compressor, dict(zip(state, replica)))
+                for replica in zip(
+                    *([c.numpy() for c in strategy.experimental_local_results(v.value)]
+                      for v in state.values())
+                )
+            ]
+            for state in states
+        ]
+        self.compressor = compressor
+
+
+def _position(model, variable):
+    """`variable`'s position among a backup's state variables."""
+    return len(model.variables) + [id(v) for v in model.optimizer.variables].index(id(variable))
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
@@ -279,18 +297,21 @@ def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, first, then, s
     history = _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
     for got, want in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    for got, want in zip(resumed.optimizer.saved_values(), reference.optimizer.saved_values()):
+    saved = zip(saving.saved_values(resumed.optimizer), saving.saved_values(reference.optimizer))
+    for got, want in saved:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(
         history.history["loss"], reference_history.history["loss"][2:], rtol=1e-4
     )
 
 
-def test_a_resized_backup_keeps_the_sum_of_the_residuals_and_warns_for_sum(tmp_path):
+@pytest.mark.parametrize("compression", ["int8", "powersgd"])
+def test_a_resized_backup_keeps_the_sum_of_what_is_owed_and_warns_for_sum(tmp_path, compression):
+    compressor = tf_agn.compression.PowerSGD(rank=1) if compression == "powersgd" else "int8"
     backup_dir = str(tmp_path / "backup")
     _interrupted_fit(
         restart_model.build_model(
-            tf_agn.strategies.mirrored(DEVICES[:2]), _adam(aggregation_method="sum", compression="int8")
+            tf_agn.strategies.mirrored(DEVICES[:2]), _adam(aggregation_method="sum", compression=compressor)
         ),
         backup_dir, 1, 2, save_freq=1,
     )
@@ -298,22 +319,21 @@ def test_a_resized_backup_keeps_the_sum_of_the_residuals_and_warns_for_sum(tmp_p
     with np.load(os.path.join(backup_dir, f"ckpt-{pointer['checkpoint']}.worker-0.npz")) as npz:
         saved = dict(npz)
     resumed = restart_model.build_model(
-        tf_agn.strategies.mirrored(DEVICES), _adam(aggregation_method="sum", compression="int8")
+        tf_agn.strategies.mirrored(DEVICES), _adam(aggregation_method="sum", compression=compressor)
     )
     record = _RecordState()
     with pytest.warns(UserWarning, match="Multiply the learning rate by 2/4"):
         _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir), record], epochs=2)
-    offset = len(resumed.variables)
-    positions = [
-        offset + i for i, v in enumerate(resumed.optimizer.variables)
-        if v.path.endswith("_residual")
-    ]
-    assert len(positions) == len(record.copies) == 4
-    for position, copies in zip(positions, record.copies):
-        old = [saved.get(f"state/{position}/{r}", saved[f"state/{position}/0"]) for r in range(2)]
-        assert np.abs(old[0] - old[1]).max() > 0  # the replicas' residuals differ
-        np.testing.assert_allclose(np.sum(copies, axis=0), np.sum(old, axis=0), rtol=1e-6, atol=1e-7)
-        np.testing.assert_array_equal(copies[0], copies[3])  # shared evenly
+    assert len(record.owed) == (4 if compression == "int8" else 2)  # PowerSGD: matrices
+    for positions, owed in zip(record.positions, record.owed):
+        old = [
+            {key: saved.get(f"state/{p}/{r}", saved[f"state/{p}/0"]) for key, p in positions.items()}
+            for r in range(2)
+        ]
+        old_owed = [resizing.owed_by(record.compressor, state) for state in old]
+        assert np.abs(old_owed[0] - old_owed[1]).max() > 0  # the replicas owe differently
+        np.testing.assert_allclose(np.sum(owed, axis=0), np.sum(old_owed, axis=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(owed[0], owed[3], rtol=1e-6)  # shared evenly
 
 
 @pytest.mark.parametrize("save_freq", [0, -2, 1.5, True, "batch", None])

@@ -52,8 +52,9 @@ From Keras:
   which save the inner optimizer's variables as they are (a replica's part
   of sharded state). `compile` creates the stock class, so it is patched
   (`replace_loss_scale_methods`) to ask the inner optimizer
-  (`all_replicas_finite`, `saved_values`, `load_values`), else the stock
-  methods (`stock_loss_scale_method`); see `tf_agn.optimizers.loss_scaling`.
+  (`all_replicas_finite`) and to save sharded state whole, else the stock
+  methods (`stock_loss_scale_method`); see `tf_agn.optimizers.loss_scaling`
+  and `tf_agn.optimizers.saving`.
 - `Trainer._initial_epoch`: the epoch `fit` starts from, which Keras' own
   `BackupAndRestore` sets; no public way for a callback
   (`set_initial_epoch`, for `tf_agn.callbacks.BackupAndRestore`).

@@ -4,7 +4,7 @@ of replicas or workers than it was taken on.
 What every replica holds alike (the weights of synchronous training, the
 optimizer's state) is restored as it was. Sharded optimizer state is joined
 from every old replica's part and shared out again over the new replicas.
-What each replica holds a share of (gradient accumulators, int8's error
+What each replica holds a share of (gradient accumulators, error
 feedback residuals, the metrics' totals) keeps its sum: each new replica
 takes the old replicas' sum divided by the new number.
 
@@ -13,12 +13,13 @@ window: every replica's weights are the center, its inner optimizer's step
 count goes back to that window's end, and its inner optimizer's state is
 the old replicas' mean. The local steps taken since are not committed and
 are dropped. Anything else that differs between replicas (aggregation
-NONE, PowerSGD's factored residuals) is refused by name.
+NONE) is refused by name.
 """
 
 import warnings
 
 import numpy as np
+import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers import saving
@@ -79,12 +80,19 @@ def restore(model, task_arrays, pointer, num_replicas):
         variable.assign(_alike(copies(source), variable.path))
     if optimizer is not None:
         shapes = saving.saved_shapes(optimizer)
-        summed = {id(v) for found in _summing(optimizer) for v in found.summed_state()}
+        within = saving.aggregating_within(optimizer)
+        summed = {id(v) for found in within for v in found.summed_state()}
         averaged = {id(v) for v in optimizer.inner_optimizer.variables} if windowed else set()
+        position = {id(v): len(weights) + i for i, v in enumerate(optimizer_variables)}
+        owed = {}
+        for found in within + ([optimizer] if windowed else []):
+            owed.update(_owed_values(found, lambda v: copies(position[id(v)]), num_replicas))
         values = [
-            _resized(copies(len(weights) + i), shape, id(v) in summed, num_replicas, v.path,
-                     averaged=id(v) in averaged)
-            for i, (v, shape) in enumerate(zip(optimizer_variables, shapes))
+            owed[id(v)] if id(v) in owed else _resized(
+                copies(position[id(v)]), shape, id(v) in summed, num_replicas, v.path,
+                averaged=id(v) in averaged,
+            )
+            for v, shape in zip(optimizer_variables, shapes)
         ]
         saving.load_values(optimizer, values)
         if windowed:
@@ -124,10 +132,29 @@ def _resized(copies, shape, summed, num_replicas, path, averaged=False):
     return _alike(copies, path)
 
 
-def _summing(optimizer):
-    """The optimizers within `optimizer` that hold `summed_state`."""
-    within = saving.aggregating_within(optimizer)
-    return within + ([optimizer] if isinstance(optimizer, WindowedOptimizer) else [])
+def _owed_values(optimizer, copies_of, num_replicas):
+    """{id(state variable): the value each new replica takes} for
+    `optimizer`'s error feedback state: the old replicas' residuals, summed,
+    owed in equal shares; the rest of the state as every replica held it."""
+    found = optimizer.error_feedback_state()
+    if found is None:
+        return {}
+    compressor, states = found
+    values = {}
+    for state in states:
+        old = [dict(zip(state, replica)) for replica in zip(*(copies_of(v) for v in state.values()))]
+        owed = np.sum([owed_by(compressor, replica) for replica in old], axis=0)
+        new = compressor.state_owing(old[0], _share(owed, num_replicas))
+        for key, variable in state.items():
+            if new[key] is old[0][key]:  # not a part of what is owed
+                new[key] = _alike([replica[key] for replica in old], variable.path)
+            values[id(variable)] = np.asarray(new[key])
+    return values
+
+
+def owed_by(compressor, state):
+    """What a replica with `state` (a dict of arrays) owes, as an array."""
+    return np.asarray(compressor.residual({k: tf.convert_to_tensor(v) for k, v in state.items()}))
 
 
 def _alike(copies, path):
@@ -135,9 +162,8 @@ def _alike(copies, path):
     if any(not np.array_equal(c, copies[0]) for c in copies[1:]):
         raise ValueError(
             f"The replicas' copies of {path} differ in the backup "
-            "(aggregation NONE, or per-replica compressor state other than "
-            "int8's residual): it resumes only on the number of replicas it "
-            "was taken on."
+            "(aggregation NONE?): it resumes only on the number of replicas "
+            "it was taken on."
         )
     return copies[0]
 

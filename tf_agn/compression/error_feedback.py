@@ -124,6 +124,20 @@ class ErrorFeedbackCompressor:
         """
         return state.get("residual")
 
+    def state_owing(self, state, residual):
+        """`state` with `residual` as what the replica owes: how a resumed
+        run on another number of replicas shares out the old replicas'
+        residuals (`tf_agn.resizing`).
+
+        Args:
+            state: one value's state, as `state_spec` describes it.
+            residual: an array of the value's shape.
+
+        Returns:
+            The state, as a dict of arrays.
+        """
+        return dict(state, residual=residual)
+
     def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
         """Sums every replica's values, compressed, and updates the state.
 

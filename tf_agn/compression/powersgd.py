@@ -116,6 +116,15 @@ class PowerSGD(ErrorFeedbackCompressor):
         m = state["powersgd_m"]
         return tf.reshape(_owed(state, self.matrix_shape(m.shape)), m.shape)
 
+    def state_owing(self, state, residual):
+        # All of it in M, with no low-rank part to subtract.
+        return dict(
+            state,
+            powersgd_m=residual,
+            powersgd_p=np.zeros_like(state["powersgd_p"]),
+            powersgd_local_q=np.zeros_like(state["powersgd_local_q"]),
+        )
+
     def wire_bytes(self, shape, dtype):
         matrix = self.matrix_shape(shape)
         if matrix is None:

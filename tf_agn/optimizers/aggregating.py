@@ -4,7 +4,6 @@ gradients are combined."""
 import functools
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
@@ -24,6 +23,7 @@ from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.compression_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
+from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharding import ShardedState
 from tf_agn.optimizers.sharding import check_shardable
 from tf_agn.replica_aggregation import aggregate
@@ -36,32 +36,23 @@ from tf_agn.replica_aggregation import tf_agn_ops
 class Aggregating:
     """Mixin that gives a Keras optimizer an `aggregation_method`.
 
-    Stock Keras 3 always all-reduces gradients with SUM (of losses it scaled
-    by 1/n, so the result is a mean), clips before that all-reduce, and then
-    updates every replica's copy through `merge_call`. An `Aggregating`
-    optimizer instead, on every step and in this order:
+    Every step, in replica context, an `Aggregating` optimizer applies
+    weight decay to each replica's copy; combines the replicas' gradients
+    with `aggregation_method` (MEAN is the mean of the per-replica
+    gradients, SUM their sum: Keras' 1/n loss scaling is undone); clips the
+    combined gradient, so that clipping sees what is applied; and runs the
+    optimizer's own `update_step` on each replica's copy. With NONE every
+    replica applies its own gradient and the copies drift apart (read them
+    with `tf_agn.replica_weights`). With `gradient_accumulation_steps=k`
+    the combining, clipping and update run once per k steps, on the
+    window (`tf_agn.optimizers.accumulation`).
 
-    1. applies weight decay, if any, to each replica's copy;
-    2. combines the replicas' gradients with `aggregation_method` (see
-       `tf_agn.AggregationMethod`), undoing Keras' 1/n loss scaling so MEAN
-       is the mean of the per-replica gradients and SUM their sum;
-    3. clips the combined gradient (`clipnorm`, `global_clipnorm`,
-       `clipvalue`), so that clipping sees what is applied;
-    4. runs the optimizer's own `update_step` on each replica's copy, in
-       replica context.
+    Example:
 
-    With Keras' `gradient_accumulation_steps=k`, each replica sums k
-    micro-steps' gradients locally and steps 2 to 4 run once per k steps,
-    on the window's mean (or sum); see `tf_agn.optimizers.accumulation`.
-
-    With NONE, step 2 communicates nothing and every replica applies its own
-    gradient, so the copies drift apart (read them with
-    `tf_agn.replica_weights`). With the others every replica applies the
-    same combined gradient, so the copies stay equal.
-
-    `aggregating_class(keras.optimizers.Lion)` mixes it into any Keras
-    optimizer class; `tf_agn.optimizers.Adam`, `SGD`, `AdamW` and `RMSprop`
-    are built that way.
+    ```python
+    Lion = tf_agn.optimizers.aggregating_class(keras.optimizers.Lion)
+    model.compile(optimizer=Lion(1e-4, aggregation_method="sum"), loss="mse")
+    ```
 
     Args:
         aggregation_method: an `AggregationMethod` or its name. None (the
@@ -324,98 +315,34 @@ class Aggregating:
         super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def save_own_variables(self, store):
-        # Sharded, each replica holds a part of each state variable: the
-        # file holds them whole, as the unsharded optimizer saves them.
-        for i, value in enumerate(self.saved_values()):
-            store[str(i)] = value
-
-    def saved_values(self):
-        """The values of `variables` as Keras saves them: sharded state
-        whole, with the unsharded optimizer's shapes.
-
-        Sharded, it all-gathers: call it on every worker, as Keras asks of
-        `model.save` under a multi-worker strategy.
-
-        Returns:
-            One numpy array per variable of `variables`.
-        """
-        if self._sharded is None:
-            return [v.numpy() for v in self.variables]
-        states, positions = self._sharded_states()
-        wholes = dict(zip(positions, self._sharded.whole_values(
-            _compat.creation_strategy(self), states, self._trainable_shapes()
-        )))
-        return [wholes[i] if i in wholes else v.numpy() for i, v in enumerate(self.variables)]
-
-    def saved_shapes(self):
-        """The shapes of `saved_values`: the unsharded optimizer's."""
-        shapes = self._trainable_shapes()
-        return [
-            shapes[self._sharded.index_of_state(v)]
-            if self._sharded is not None and self._sharded.is_state(v) else tuple(v.shape)
-            for v in self.variables
-        ]
-
-    def summed_state(self):
-        """The variables each replica holds its own share of, whose sum over
-        the replicas is what training depends on: the gradient accumulators
-        and the compressors' residuals."""
-        accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
-        return accumulators + [
-            state["residual"] for state in self._compression_state if "residual" in state
-        ]
+        # Sharded state whole, as the unsharded optimizer saves it.
+        saving.save(self, store)
 
     def load_own_variables(self, store):
         if self._sharded is None:
             super().load_own_variables(store)
-            return
-        self.load_values([store[str(i)] for i in range(len(store.keys()))])
+        else:
+            saving.load(self, store)
 
     @property
-    def shards_state(self):
-        """Whether this optimizer is built with its state sharded (more than
-        one replica, `shard_optimizer_state=True`)."""
-        return self._sharded is not None
+    def sharded_state(self):
+        """The `tf_agn.optimizers.sharding.ShardedState` of a built optimizer
+        whose state is sharded (more than one replica,
+        `shard_optimizer_state=True`), else None."""
+        return self._sharded
 
-    def load_values(self, values):
-        """Sets `variables` from values as `saved_values` gives them (or an
-        unsharded optimizer saves them): each replica takes its part of
-        sharded state.
+    def summed_state(self):
+        """The variables each replica holds its own share of, whose sum over
+        the replicas is what training depends on: the gradient
+        accumulators."""
+        return _compat.accumulators(self) if self.gradient_accumulation_steps else []
 
-        Raises:
-            ValueError: for another number of values, or a shape that is
-                not the unsharded optimizer's.
-        """
-        if len(values) != len(self.variables):
-            raise ValueError(
-                f"{self.name} has {len(self.variables)} variables; the saved "
-                f"optimizer has {len(values)}. Was it saved from another optimizer?"
-            )
-        states, positions = self._sharded_states() if self._sharded else ([], [])
-        shapes = self._trainable_shapes()
-        for position, state in zip(positions, states):
-            want = shapes[self._sharded.index_of_state(state)]
-            if tuple(np.shape(values[position])) != tuple(want):
-                raise ValueError(
-                    f"Saved optimizer variable {position} ({state.name}) has shape "
-                    f"{np.shape(values[position])}; this model's variable has {tuple(want)}."
-                )
-        plain = set(positions)
-        for position, (variable, value) in enumerate(zip(self.variables, values)):
-            if position not in plain:
-                variable.assign(value)
-        if states:
-            self._sharded.assign_whole_values(
-                _compat.creation_strategy(self), states, [values[p] for p in positions]
-            )
-
-    def _sharded_states(self):
-        """The sharded state variables, and their positions in `variables`."""
-        found = [(v, i) for i, v in enumerate(self.variables) if self._sharded.is_state(v)]
-        return [v for v, _ in found], [i for _, i in found]
-
-    def _trainable_shapes(self):
-        return [tuple(v.shape) for v in _compat.built_variables(self)]
+    def error_feedback_state(self):
+        """The compressor, and its state for each trainable variable that
+        has any (a dict of variables per variable, as its `state_spec`
+        names them), or None without such state."""
+        states = [state for state in self._compression_state if state]
+        return (self.resolved_compression, states) if states else None
 
     def get_config(self):
         config = super().get_config()

@@ -25,13 +25,13 @@ class MyWrapper(keras.optimizers.Optimizer):
 """
 
 from tf_agn import _compat
-from tf_agn.optimizers.aggregating import Aggregating
 
 
 def aggregating_within(optimizer):
-    """The tf_agn optimizers that `optimizer` is or wraps (through
-    `inner_optimizer` and `outer_optimizer`)."""
-    found = [optimizer] if isinstance(optimizer, Aggregating) else []
+    """The tf_agn optimizers (`tf_agn.optimizers.Aggregating`) that
+    `optimizer` is or wraps (through `inner_optimizer` and
+    `outer_optimizer`)."""
+    found = [optimizer] if hasattr(optimizer, "sharded_state") else []
     for name in ("inner_optimizer", "outer_optimizer"):
         nested = getattr(optimizer, name, None)
         if nested is not None:
@@ -42,22 +42,30 @@ def aggregating_within(optimizer):
 def sharded_within(optimizer):
     """The tf_agn optimizers with sharded state that `optimizer` is or
     wraps."""
-    return [found for found in aggregating_within(optimizer) if found.shards_state]
+    return [found for found in aggregating_within(optimizer) if found.sharded_state]
 
 
 def saved_values(optimizer):
-    """`optimizer.variables`' values, sharded state whole."""
+    """`optimizer.variables`' values as Keras saves them, sharded state
+    whole, with the unsharded optimizer's shapes.
+
+    With sharded state it all-gathers: call it on every worker, as Keras
+    asks of `model.save` under a multi-worker strategy.
+
+    Returns:
+        One numpy array per variable of `optimizer.variables`.
+    """
     by_id = {}
-    for sharded in sharded_within(optimizer):
-        by_id.update(zip(map(id, sharded.variables), sharded.saved_values()))
-    return [v.numpy() if id(v) not in by_id else by_id[id(v)] for v in optimizer.variables]
+    for found in sharded_within(optimizer):
+        by_id.update(found.sharded_state.whole_values(found))
+    return [by_id[id(v)] if id(v) in by_id else v.numpy() for v in optimizer.variables]
 
 
 def saved_shapes(optimizer):
     """The shapes of `saved_values`: the unsharded optimizer's."""
     by_id = {}
-    for sharded in sharded_within(optimizer):
-        by_id.update(zip(map(id, sharded.variables), sharded.saved_shapes()))
+    for found in sharded_within(optimizer):
+        by_id.update(found.sharded_state.whole_shapes(found))
     return [by_id.get(id(v), tuple(v.shape)) for v in optimizer.variables]
 
 
@@ -93,9 +101,8 @@ def load_values(optimizer, values):
         )
     by_id = {id(v): value for v, value in zip(variables, values)}
     loaded = set()
-    for sharded in sharded_within(optimizer):
-        sharded.load_values([by_id[id(v)] for v in sharded.variables])
-        loaded.update(map(id, sharded.variables))
+    for found in sharded_within(optimizer):
+        loaded.update(found.sharded_state.assign_whole_values(found, by_id))
     for variable in variables:
         if id(variable) not in loaded:
             variable.assign(by_id[id(variable)])

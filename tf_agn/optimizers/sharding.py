@@ -167,44 +167,60 @@ class ShardedState:
         """Whether `variable` is optimizer state of a part's shape."""
         return id(variable) in self._state_index
 
-    def whole_values(self, strategy, states, shapes):
-        """`states`' values as the unsharded optimizer holds them: every
-        replica's part, joined, unpadded and shaped as the trainable
-        variable's.
+    def whole_shapes(self, optimizer):
+        """{id(state variable): the shape of its trainable variable}, for
+        `optimizer`'s sharded state."""
+        shapes = [tuple(v.shape) for v in _compat.built_variables(optimizer)]
+        return {id(s): shapes[self.index_of_state(s)] for s in self._states(optimizer)}
 
-        Call it in cross-replica context on every worker (it all-gathers).
-
-        Args:
-            strategy: the strategy the optimizer was built under.
-            states: variables for which `is_state` holds.
-            shapes: the trainable variables' shapes, in the order built.
-
-        Returns:
-            One numpy array per state variable.
+    def whole_values(self, optimizer):
+        """{id(state variable): its value as the unsharded optimizer holds
+        it}: every replica's part, joined, unpadded and shaped as the
+        trainable variable. Call it in cross-replica context on every worker
+        (it all-gathers).
         """
+        states = self._states(optimizer)
+        strategy = _compat.creation_strategy(optimizer)
 
         @tf.function
         def gather():
             return strategy.run(lambda: all_gather([s.value for s in states]))
 
-        joined = [strategy.experimental_local_results(g)[0].numpy() for g in gather()]
-        values = []
-        for state, flat in zip(states, joined):
-            index = self.index_of_state(state)
-            values.append(flat[: self.sizes[index]].reshape(shapes[index]))
+        shapes = self.whole_shapes(optimizer)
+        values = {}
+        for state, joined in zip(states, gather()):
+            flat = strategy.experimental_local_results(joined)[0].numpy()
+            size = self.sizes[self.index_of_state(state)]
+            values[id(state)] = flat[:size].reshape(shapes[id(state)])
         return values
 
-    def assign_whole_values(self, strategy, states, values):
-        """Gives each replica its part of each whole value, in `states`.
+    def assign_whole_values(self, optimizer, values):
+        """Gives each replica its part of each whole value.
 
         Args:
-            strategy: the strategy the optimizer was built under.
-            states: variables for which `is_state` holds.
-            values: for each, a value of its trainable variable's shape.
+            optimizer: the optimizer whose sharded state takes them.
+            values: {id(variable): value}, a value of the trainable
+                variable's shape for each state variable, among others.
+
+        Returns:
+            The ids of the state variables assigned.
+
+        Raises:
+            ValueError: for a value of another shape than the unsharded
+                optimizer's.
         """
+        states = self._states(optimizer)
+        shapes = self.whole_shapes(optimizer)
+        for state in states:
+            if tuple(np.shape(values[id(state)])) != shapes[id(state)]:
+                raise ValueError(
+                    f"The saved value of {state.path} has shape "
+                    f"{np.shape(values[id(state)])}; this model's variable has "
+                    f"{shapes[id(state)]}."
+                )
         rows = [
-            tf.constant(self._rows(np.asarray(value, s.dtype), self.index_of_state(s)))
-            for s, value in zip(states, values)
+            tf.constant(self._rows(np.asarray(values[id(s)], s.dtype), self.index_of_state(s)))
+            for s in states
         ]
 
         def assign():
@@ -212,7 +228,12 @@ class ShardedState:
             for state, state_rows in zip(states, rows):
                 state.assign(tf.gather(state_rows, rank))
 
-        tf.function(lambda: strategy.run(assign))()
+        tf.function(lambda: _compat.creation_strategy(optimizer).run(assign))()
+        return {id(s) for s in states}
+
+    def _states(self, optimizer):
+        """`optimizer`'s sharded state variables, in `variables`' order."""
+        return [v for v in optimizer.variables if self.is_state(v)]
 
     def apply(self, optimizer, grads, variables, update, value_scale=1, when=None):
         """One sharded step, in replica context.

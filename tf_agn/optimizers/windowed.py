@@ -163,10 +163,12 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
         # In this order, as files saved by earlier releases hold them.
         return super().variables + self.outer_optimizer.variables
 
-    def summed_state(self):
-        """The variables each replica holds its own share of, whose sum over
-        the replicas is what training depends on: the commits' residuals."""
-        return [state["residual"] for state in self._commit_state if "residual" in state]
+    def error_feedback_state(self):
+        """The commits' compressor, and its state for each trainable
+        variable that has any, or None without such state (see
+        `tf_agn.optimizers.Aggregating.error_feedback_state`)."""
+        states = [state for state in self._commit_state if state]
+        return (self.resolved_compression, states) if states else None
 
     @property
     def center_variables(self):
