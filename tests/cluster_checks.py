@@ -2,11 +2,19 @@
 
 import json
 import os
+import signal
 import socket
 import time
 
 from scripts import checkout_env  # noqa: F401 - for the cluster tests
 from scripts import run_python
+
+
+def default_sigint():
+    """For `subprocess.Popen(preexec_fn=...)`: the child takes SIGINT as a
+    terminal's Ctrl-C, whatever this process inherited (a shell ignores it
+    in the jobs it starts in the background, and the child would too)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def port_is_free(port):

@@ -21,6 +21,7 @@ import pytest
 
 from cluster_checks import alive
 from cluster_checks import checkout_env
+from cluster_checks import default_sigint
 from cluster_checks import listening
 from cluster_checks import own_servers
 from cluster_checks import port_is_free
@@ -308,6 +309,7 @@ def test_interrupted_or_killed_parent_leaves_no_server(tmp_path, signum):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=default_sigint,
     )
     watchdog = threading.Timer(150, process.kill)
     watchdog.start()

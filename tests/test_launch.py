@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from cluster_checks import checkout_env
+from cluster_checks import default_sigint
 from cluster_checks import port_is_free
 from tf_agn.strategies import launch
 from tf_agn.strategies import server
@@ -101,6 +102,7 @@ def test_interrupted_launch_stops_the_command_and_the_cluster():
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=default_sigint,
     )
     try:
         notice, cluster_line = launcher.stdout.readline(), launcher.stdout.readline()
