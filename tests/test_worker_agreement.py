@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_agn
+from cluster_checks import default_sigint
 from tf_agn import agreement
 from tf_agn.strategies import rendezvous
 from tf_agn.strategies.ports import free_ports
@@ -51,6 +52,7 @@ class Workers:
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
+                preexec_fn=default_sigint,
             )
 
     def wait_for_line(self, index, prefix, timeout=120):
