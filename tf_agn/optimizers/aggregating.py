@@ -25,12 +25,10 @@ from tf_agn.optimizers.compression_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharding import ShardedState
-from tf_agn.optimizers.sharding import check_shardable
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
 from tf_agn.replica_aggregation import default_compression
 from tf_agn.replica_aggregation import gradient_scale
-from tf_agn.replica_aggregation import tf_agn_ops
 
 
 class Aggregating:
@@ -59,21 +57,15 @@ class Aggregating:
             default) takes the `aggregation` of the strategy's
             `tf_agn.AggregatingAllReduce` (see `tf_agn.strategies.mirrored`),
             or MEAN under any other strategy.
-        compression: None (the default) takes the `compression` of the
-            strategy's `tf_agn.AggregatingAllReduce`, if any. Otherwise
-            "fp16", "bf16", "int8", `tf_agn.compression.PowerSGD(rank=r)`,
-            or any `tf_agn.compression` compressor: how gradients travel
-            (see `tf_agn.compression`). Int8 and PowerSGD keep per-replica
-            state with error feedback, as optimizer variables after
-            Keras's own (see `tf_agn.optimizers.compression_state`).
-            With gradient accumulation the window is compressed, once.
-        sparse_gradients: None, or a list of regular expressions naming
-            (searched for in `variable.path`) the variables whose gradients
-            are sparse (`tf.IndexedSlices`, as an `Embedding` table's):
-            they travel uncompressed, so the compressor keeps no state for
-            them. Name layers: `sparse_gradients=["words"]` for
-            `keras.layers.Embedding(..., name="words")`. See
-            `tf_agn.optimizers.compression_state`.
+        compression: how gradients travel: "fp16", "bf16", "int8",
+            `tf_agn.compression.PowerSGD(rank=r)` or any `tf_agn.compression`
+            compressor; None (the default) takes the strategy's
+            `tf_agn.AggregatingAllReduce`'s, if any. Int8 and PowerSGD keep
+            per-replica error feedback state as optimizer variables.
+        sparse_gradients: None, or regular expressions (searched for in
+            `variable.path`) naming the variables whose gradients are
+            `tf.IndexedSlices` (e.g. `["words"]` for an `Embedding` named
+            "words"): they travel uncompressed, with no compressor state.
         accumulation_reduction: with `gradient_accumulation_steps=k`, how a
             replica's k micro-step gradients are combined: "mean" (default,
             Keras' own: a step on a k times larger batch) or "sum" (k times
@@ -83,26 +75,17 @@ class Aggregating:
             `tf_agn.optimizers.sharding`), under tf_agn's strategies, for
             element-wise optimizers, with SUM or MEAN.
         *args, **kwargs: the Keras optimizer's own arguments, among them
-            `gradient_accumulation_steps` (None or an int >= 1; 1 means
-            every step).
+            `gradient_accumulation_steps` (None or an int >= 1).
 
     Raises:
-        ValueError: for an unknown aggregation method, compression or
-            accumulation reduction, bad `sparse_gradients` or
-            `gradient_accumulation_steps`, or accumulation together with
-            `use_ema`; when training, for a compression under cross-device
-            ops other than tf_agn's, or a dense gradient of a variable
-            `sparse_gradients` names.
+        ValueError: for a bad value of any argument above, or accumulation
+            with `use_ema`; when training, for a dense gradient of a
+            variable `sparse_gradients` names, or what cannot shard.
     """
 
     # The constructor arguments this mixin adds to a Keras optimizer's.
-    SETTINGS = (
-        "aggregation_method",
-        "accumulation_reduction",
-        "compression",
-        "sparse_gradients",
-        "shard_optimizer_state",
-    )
+    SETTINGS = ("aggregation_method", "accumulation_reduction", "compression",
+                "sparse_gradients", "shard_optimizer_state")
 
     def __init__(
         self,
@@ -168,18 +151,11 @@ class Aggregating:
             [declared_sparse(sparse, v) for v in variables],
         )
         if self.shard_optimizer_state:
-            check_shardable(self, method, compressor)
-            strategy = _compat.creation_strategy(self)
-            if strategy.num_replicas_in_sync > 1:
-                # Before Keras's own build, which asks for the state.
-                self._sharded = ShardedState(
-                    self, variables, strategy.num_replicas_in_sync,
-                    tf_agn_ops(strategy).bytes_per_pack,
-                )
+            # Before Keras's own build, which asks for the state.
+            self._sharded = ShardedState.for_optimizer(self, variables, method, compressor)
         super().build(variables)
         if self._sharded is not None:
-            for variable, part in zip(variables, self._sharded.variables):
-                _compat.register_variable_alias(self, part, variable)
+            self._sharded.register_parts(self, variables)
         self._communication = CommunicationCounter(self)
         self._compression_state = add_compression_state(self, variables, compressor, sparse)
 
@@ -193,23 +169,15 @@ class Aggregating:
         }
 
     def communication_stats(self):
-        """What this optimizer's aggregations sent so far.
-
-        Returns:
-            `{"all_reduce_calls": int, "bytes_sent": int}`; see
-            `tf_agn.CommunicationCounter` for what counts.
-        """
+        """What this optimizer's aggregations sent so far, as
+        `tf_agn.CommunicationCounter` counts it: `all_reduce_calls`,
+        `bytes_sent` and `bytes_received`."""
         return communication_stats(self)
 
     def memory_stats(self):
-        """The bytes one replica holds for this optimizer and its weights.
-
-        Returns:
-            `{"weights", "gradients", "accumulators", "optimizer_state",
-            "compressor_state"}`: see `tf_agn.memory.memory_stats`; the
-            optimizer's state counts one replica's part where it is sharded
-            (and the part of the weights it updates).
-        """
+        """The bytes one replica holds for this optimizer and its weights, as
+        `tf_agn.memory.memory_stats` counts them (sharded state: this
+        replica's part, and the part of the weights it updates)."""
         accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
         return memory_stats(
             _compat.built_variables(self),
@@ -219,18 +187,9 @@ class Aggregating:
         )
 
     def all_replicas_finite(self, grads):
-        """Whether every replica's gradients are finite, agreed by all.
-
-        Keras' `LossScaleOptimizer` asks this before applying a step (see
-        `tf_agn.optimizers.loss_scaling`), so that an overflow on any
-        replica skips the step on every replica and lowers the loss scale.
-
-        Args:
-            grads: this replica's gradients, as given to `apply`.
-
-        Returns:
-            A scalar boolean tensor, the same on every replica.
-        """
+        """Whether every replica's `grads` are finite: a scalar boolean
+        tensor, the same on every replica, which Keras's `LossScaleOptimizer`
+        asks before a step (`tf_agn.optimizers.loss_scaling`)."""
         return all_replicas_finite(grads, self._communication)
 
     def add_variable_from_reference(
@@ -332,9 +291,8 @@ class Aggregating:
         return self._sharded
 
     def summed_state(self):
-        """The variables each replica holds its own share of, whose sum over
-        the replicas is what training depends on: the gradient
-        accumulators."""
+        """The variables whose sum over the replicas is what training
+        depends on (each replica holds a share): the accumulators."""
         return _compat.accumulators(self) if self.gradient_accumulation_steps else []
 
     def error_feedback_state(self):

@@ -133,6 +133,29 @@ class ShardedState:
         sizes = [(tf.as_dtype(v.dtype), part * num_replicas) for v, part in zip(variables, self.parts)]
         self.packs = packing.plan_packs(sizes, bytes_per_pack)
 
+    @classmethod
+    def for_optimizer(cls, optimizer, variables, method, compressor):
+        """The sharded state of `optimizer`, being built for `variables`, or
+        None with one replica (the plain optimizer).
+
+        Raises:
+            ValueError: as `check_shardable`.
+        """
+        check_shardable(optimizer, method, compressor)
+        strategy = _compat.creation_strategy(optimizer)
+        if strategy.num_replicas_in_sync == 1:
+            return None
+        return cls(
+            optimizer, variables, strategy.num_replicas_in_sync,
+            tf_agn_ops(strategy).bytes_per_pack,
+        )
+
+    def register_parts(self, optimizer, variables):
+        """Makes `optimizer`, built, find each variable's state when its
+        `update_step` is given the variable's part."""
+        for variable, part in zip(variables, self.variables):
+            _compat.register_variable_alias(optimizer, part, variable)
+
     def part_of(self, variable):
         """The scratch variable of `variable`'s part, whose shape the
         optimizer's state for `variable` takes."""
