@@ -67,23 +67,22 @@ def restore(model, task_arrays, pointer, num_replicas):
     def copies(index, prefix="state"):
         return replicas_copies(task_arrays, old_replicas, prefix, index)
 
+    # Each optimizer variable's position in the backup.
+    position = {id(v): len(weights) + i for i, v in enumerate(optimizer_variables)}
     windowed = isinstance(optimizer, WindowedOptimizer)
-    if windowed:
-        # The last committed window: the centers, alike on every replica.
-        position = {id(v): len(weights) + i for i, v in enumerate(optimizer_variables)}
-        centers = {
-            id(v): position[id(c)]
-            for v, c in zip(model.trainable_variables, optimizer.center_variables)
-        }
+    # A windowed optimizer's last committed window: the centers, alike on
+    # every replica, stand for the weights.
+    centers = {
+        id(v): position[id(c)]
+        for v, c in zip(model.trainable_variables, optimizer.center_variables)
+    } if windowed else {}
     for index, variable in enumerate(weights):
-        source = centers.get(id(variable), index) if windowed else index
-        variable.assign(_alike(copies(source), variable.path))
+        variable.assign(_alike(copies(centers.get(id(variable), index)), variable.path))
     if optimizer is not None:
         shapes = saving.saved_shapes(optimizer)
         within = saving.aggregating_within(optimizer)
         summed = {id(v) for found in within for v in found.summed_state()}
         averaged = {id(v) for v in optimizer.inner_optimizer.variables} if windowed else set()
-        position = {id(v): len(weights) + i for i, v in enumerate(optimizer_variables)}
         owed = {}
         for found in within + ([optimizer] if windowed else []):
             owed.update(_owed_values(found, lambda v: copies(position[id(v)]), num_replicas))
