@@ -371,6 +371,8 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     "os._exit": "Python's documented exit without clean-up, not Keras or TensorFlow.",
     "optimizer._communication": "tf_agn's own CommunicationCounter on its optimizers, "
     "read across modules (tf_agn/communication.py).",
+    "optimizer._update_in_place": "tf_agn's own Aggregating method (the Keras class's "
+    "update rule in the current context), run by tf_agn/optimizers/sharded_step.py.",
 }
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")

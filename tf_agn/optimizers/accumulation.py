@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.finite import all_finite
+from tf_agn.optimizers.sharded_step import apply_sharded
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import gradient_scale
 
@@ -107,7 +108,7 @@ def add_accumulator(optimizer, reference_variable, method):
     return variable
 
 
-def accumulate_and_apply(optimizer, grads, variables, apply_window, sharded_apply=None):
+def accumulate_and_apply(optimizer, grads, variables, apply_window):
     """One micro-step of gradient accumulation, in replica context.
 
     Args:
@@ -116,10 +117,8 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window, sharded_appl
         grads: this replica's gradients for `variables`.
         variables: the trainable variables.
         apply_window: `apply_window(grads, variables)` clips, decays and
-            updates with the combined window gradient, locally.
-        sharded_apply: where the optimizer's state is sharded,
-            `sharded_apply(window, variables, scale, is_last)` combines,
-            clips, decays and updates it instead.
+            updates with the combined window gradient, locally (where the
+            optimizer's state is sharded, `apply_sharded` does all).
     """
     # Keras' own accumulation fails under a strategy (keras-team/keras#20582):
     # it all-reduces every micro-step and updates the accumulators through
@@ -141,8 +140,8 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window, sharded_appl
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
 
-    if sharded_apply is not None:
-        sharded_apply(window, variables, scale, is_last)
+    if optimizer.sharded_state is not None:
+        apply_sharded(optimizer, window, variables, scale, is_last)
         tf.cond(is_last, reset, accumulate)
         return
     # Sends only on the k-th micro-step (`when`).

@@ -11,27 +11,26 @@ from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
-from tf_agn.communication import communication_stats
 from tf_agn.memory import memory_stats
 from tf_agn.optimizers.accumulation import accumulate_and_apply
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
+from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compression_state import add_compression_state
 from tf_agn.optimizers.compression_state import check_gradients
 from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.compression_state import declared_sparse
-from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.optimizers import saving
+from tf_agn.optimizers.sharded_step import apply_sharded
 from tf_agn.optimizers.sharding import ShardedState
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
-from tf_agn.replica_aggregation import default_compression
 from tf_agn.replica_aggregation import gradient_scale
 
 
-class Aggregating:
+class Aggregating(Communicating):
     """Mixin that gives a Keras optimizer an `aggregation_method`.
 
     Every step, in replica context, an `Aggregating` optimizer applies
@@ -126,13 +125,6 @@ class Aggregating:
             return self.aggregation_method
         return default_aggregation(_compat.creation_strategy(self))
 
-    @property
-    def resolved_compression(self):
-        """The compressor in force: our own, or the strategy's default."""
-        if self.compression is not None:
-            return self.compression
-        return default_compression(_compat.creation_strategy(self))
-
     def build(self, variables):
         if self.built:
             return
@@ -168,12 +160,6 @@ class Aggregating:
             "step": self.iterations,
         }
 
-    def communication_stats(self):
-        """What this optimizer's aggregations sent so far, as
-        `tf_agn.CommunicationCounter` counts it: `all_reduce_calls`,
-        `bytes_sent` and `bytes_received`."""
-        return communication_stats(self)
-
     def memory_stats(self):
         """The bytes one replica holds for this optimizer and its weights, as
         `tf_agn.memory.memory_stats` counts them (sharded state: this
@@ -185,12 +171,6 @@ class Aggregating:
             accumulators,
             [v for state in self._compression_state for v in state.values()],
         )
-
-    def all_replicas_finite(self, grads):
-        """Whether every replica's `grads` are finite: a scalar boolean
-        tensor, the same on every replica, which Keras's `LossScaleOptimizer`
-        asks before a step (`tf_agn.optimizers.loss_scaling`)."""
-        return all_replicas_finite(grads, self._communication)
 
     def add_variable_from_reference(
         self, reference_variable, name=None, initializer="zeros"
@@ -215,10 +195,7 @@ class Aggregating:
         self._clipping_deferred = True
         try:
             if self.gradient_accumulation_steps:
-                accumulate_and_apply(
-                    self, grads, trainable_variables, self._apply_window,
-                    None if self._sharded is None else self._apply_sharded_window,
-                )
+                accumulate_and_apply(self, grads, trainable_variables, self._apply_window)
             else:
                 super()._backend_apply_gradients(grads, trainable_variables)
         finally:
@@ -228,18 +205,6 @@ class Aggregating:
         _compat.apply_weight_decay(self, trainable_variables)
         self._apply_combined(grads, trainable_variables, self.learning_rate)
 
-    def _apply_sharded_window(self, window, trainable_variables, scale, window_ends):
-        def update(parts, part_variables):
-            # Weight decay, as `_apply_window`'s, on the parts.
-            decayed = [
-                part for part, variable in zip(part_variables, trainable_variables)
-                if _compat.uses_weight_decay(self, variable)
-            ]
-            _compat.apply_weight_decay(self, decayed)
-            self._update_in_place(parts, part_variables, self.learning_rate)
-
-        self._sharded.apply(self, window, trainable_variables, update, scale, window_ends)
-
     def _clip_gradients(self, grads):
         if self._clipping_deferred:
             return grads
@@ -248,10 +213,7 @@ class Aggregating:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if self._sharded is not None:
             # It clips the parts itself, with norms across replicas.
-            self._sharded.apply(
-                self, grads, trainable_variables,
-                lambda parts, variables: self._update_in_place(parts, variables, learning_rate),
-            )
+            apply_sharded(self, grads, trainable_variables)
             return
         arguments = self.compression_arguments(trainable_variables)
         check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
@@ -294,13 +256,6 @@ class Aggregating:
         """The variables whose sum over the replicas is what training
         depends on (each replica holds a share): the accumulators."""
         return _compat.accumulators(self) if self.gradient_accumulation_steps else []
-
-    def error_feedback_state(self):
-        """The compressor, and its state for each trainable variable that
-        has any (a dict of variables per variable, as its `state_spec`
-        names them), or None without such state."""
-        states = [state for state in self._compression_state if state]
-        return (self.resolved_compression, states) if states else None
 
     def get_config(self):
         config = super().get_config()

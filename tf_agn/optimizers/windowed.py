@@ -12,17 +12,15 @@ from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
-from tf_agn.communication import communication_stats
 from tf_agn.memory import memory_stats
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.commit_rules import CommitRules
+from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compression_state import add_compression_state
-from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 from tf_agn.optimizers.wrapping import check_wrappable
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
-from tf_agn.replica_aggregation import default_compression
 
 # What `get_config` of the windowed optimizers wrote before they became
 # compositions, for settings they never had a use for: files saved then
@@ -31,7 +29,7 @@ _FORMER_CONFIG_ENTRIES = {"accumulation_reduction": "mean", "sparse_gradients": 
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
-class WindowedOptimizer(CommitRules, WrappingOptimizer):
+class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
     """Local exploration for a window of λ steps, then one commit.
 
     Every replica or worker steps its own weights θ with the inner
@@ -47,7 +45,8 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
     pseudo-gradient −Δ (by default SGD(1.0): θ_c ← θ_c + Δ; with Nesterov
     momentum, DiLoCo). The inner optimizer's state stays per replica. At
     the end of `fit` a partial window is committed, so the weights are the
-    center after.
+    center after. Under mixed precision even a local step is skipped on
+    every replica when one overflows: the loss scale is shared.
 
     Example:
 
@@ -125,14 +124,6 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
             return self.aggregation_method
         return default_aggregation(_compat.creation_strategy(self))
 
-    @property
-    def resolved_compression(self):
-        """The compressor the commits travel in: `compression`, or the
-        strategy's."""
-        if self.compression is not None:
-            return self.compression
-        return default_compression(_compat.creation_strategy(self))
-
     def build(self, var_list):
         if self.built:
             return
@@ -156,47 +147,24 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
         ]
         self.outer_optimizer.build(self._centers)
         self._communication = CommunicationCounter(self)
-        self._commit_state = add_compression_state(self, var_list, self.resolved_compression)
+        self._compression_state = add_compression_state(self, var_list, self.resolved_compression)
 
     @property
     def variables(self):
         # In this order, as files saved by earlier releases hold them.
         return super().variables + self.outer_optimizer.variables
 
-    def error_feedback_state(self):
-        """The commits' compressor, and its state for each trainable
-        variable that has any, or None without such state (see
-        `tf_agn.optimizers.Aggregating.error_feedback_state`)."""
-        states = [state for state in self._commit_state if state]
-        return (self.resolved_compression, states) if states else None
-
     @property
     def center_variables(self):
         """θ_c, the weights every replica starts its window from."""
         return list(self._centers)
 
-    def communication_stats(self):
-        """What the commits sent so far.
-
-        Returns:
-            `{"all_reduce_calls": int, "bytes_sent": int}`; local steps send
-            nothing, but under mixed precision each sends one float32 (see
-            `all_replicas_finite`).
-        """
-        return communication_stats(self)
-
     def memory_stats(self):
         """The bytes one replica holds: see
         `tf_agn.optimizers.Aggregating.memory_stats`; the centers and the
         inner and outer optimizers' states are optimizer state."""
-        commit_state = [v for state in self._commit_state for v in state.values()]
+        commit_state = [v for state in self._compression_state for v in state.values()]
         return memory_stats(_compat.built_variables(self), self.variables, (), commit_state)
-
-    def all_replicas_finite(self, grads):
-        """See `tf_agn.optimizers.Aggregating.all_replicas_finite`; local
-        steps too are skipped on every replica when one overflows."""
-        # The loss scale is shared, so even a local step must agree.
-        return all_replicas_finite(grads, self._communication)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
@@ -231,7 +199,7 @@ class WindowedOptimizer(CommitRules, WrappingOptimizer):
             deltas,
             self.aggregation,
             compressor=self.resolved_compression,
-            state=self._commit_state,
+            state=self._compression_state,
             step=self.outer_optimizer.iterations,
             counter=self._communication,
         )

@@ -1,0 +1,133 @@
+"""One step of an optimizer whose state is sharded: reduce-scatter the
+gradients, clip and update this replica's parts, all-gather the weights
+(see `tf_agn.optimizers.sharding`)."""
+
+import tensorflow as tf
+
+from tf_agn import _compat
+from tf_agn.aggregation import AggregationMethod
+from tf_agn.finite import all_finite
+from tf_agn.replica_aggregation import aggregate
+from tf_agn.replica_aggregation import all_gather
+from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import reduce_scatter
+
+
+def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
+    """One sharded step of `optimizer`, in replica context.
+
+    Args:
+        optimizer: a built tf_agn optimizer whose `sharded_state` is set.
+        grads: this replica's gradients of `variables` (or, with
+            accumulation, its window).
+        variables: the trainable variables, in the order built.
+        value_scale: a Python number the gradients are multiplied by first
+            (1/k for the mean of a window of k).
+        when: None, or a scalar boolean tensor, the same on every replica:
+            a window's end. Then nothing travels or changes elsewhere, a
+            window that is not finite on some replica is skipped on all,
+            and weight decay is applied to the parts (without a window,
+            Keras has decayed the whole weights before).
+    """
+    state = optimizer.sharded_state
+    rows = [state.rows(g, i) for i, g in enumerate(grads)]
+    cast = optimizer.resolved_compression  # None, or fp16's or bf16's
+    # As an all-reduce's payload: the reduce-scatter moves half its volume
+    # in the wire dtype, the all-gather of the weights the other half in
+    # theirs.
+    optimizer._communication.record(
+        sum(r.shape.num_elements() * (_wire(cast, r.dtype).size + r.dtype.size) // 2 for r in rows),
+        when,
+    )
+    combined = [None] * len(grads)
+    for pack in state.packs:
+        joined = tf.concat([rows[i] for i in pack], 1)
+        wire = joined if _wire(cast, joined.dtype) == joined.dtype else cast.compress(joined)
+        (summed,) = reduce_scatter(
+            [wire], optimizer.resolved_aggregation, gradient_scale() * value_scale, when,
+        )
+        summed = tf.cast(summed, joined.dtype)
+        for i, part in zip(pack, tf.split(summed, [state.parts[i] for i in pack])):
+            combined[i] = part
+    combined = clipped(optimizer, combined, when)
+    if when is not None:
+        # Whether any replica's part is not finite, agreed by all.
+        (non_finite,) = aggregate(
+            [tf.cast(tf.logical_not(all_finite(combined)), tf.float32)],
+            AggregationMethod.SUM, when=when,
+        )
+        when = tf.logical_and(when, tf.equal(non_finite, 0.0))
+    rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+
+    def step():
+        for i, (variable, part) in enumerate(zip(variables, state.variables)):
+            part.assign(tf.gather(state.rows(variable, i), rank))
+        if when is not None:
+            _compat.apply_weight_decay(optimizer, [
+                part for part, variable in zip(state.variables, variables)
+                if _compat.uses_weight_decay(optimizer, variable)
+            ])
+        optimizer._update_in_place(combined, state.variables, optimizer.learning_rate)
+
+    _run_if(when, step)
+    gathered = {}
+    for pack in state.packs:
+        (gathered[tuple(pack)],) = all_gather(
+            [tf.concat([state.variables[i] for i in pack], 0)], when
+        )
+    _run_if(when, lambda: _assign_gathered(state, gathered, variables))
+
+
+def clipped(optimizer, parts, when=None):
+    """`parts` of the gradients clipped as `optimizer` clips whole
+    gradients, with norms taken over every replica's parts."""
+    # Keras's and TensorFlow's formulas (`clip_by_global_norm`,
+    # `tf.clip_by_norm`), on norms that one all-reduce of each part's sum of
+    # squares completes.
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        norms = whole_norms(parts, when)
+        return [
+            p * optimizer.clipnorm / tf.maximum(tf.cast(n, p.dtype), optimizer.clipnorm)
+            for p, n in zip(parts, tf.unstack(norms))
+        ]
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        norm = tf.norm(whole_norms(parts, when))
+        clip = optimizer.global_clipnorm
+        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+        return [p * tf.cast(scale, p.dtype) for p in parts]
+    if optimizer.clipvalue and optimizer.clipvalue > 0:
+        value = optimizer.clipvalue
+        return [tf.clip_by_value(p, -value, value) for p in parts]
+    return parts
+
+
+def whole_norms(parts, when=None):
+    """Each variable's whole L2 norm, from every replica's `parts` of it."""
+    squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(p, tf.float32))) for p in parts])
+    (squares,) = aggregate([squares], AggregationMethod.SUM, when=when)
+    # As `tf.clip_by_norm`: a sum of 0 (or NaN) is its own norm.
+    return tf.where(squares > 0, tf.sqrt(tf.where(squares > 0, squares, 1.0)), squares)
+
+
+def _assign_gathered(state, gathered, variables):
+    """Every replica's parts, `all_gather`ed per pack, into `variables`."""
+    for pack, whole_pack in gathered.items():
+        columns = tf.split(
+            tf.reshape(whole_pack, [state.num_replicas, -1]), [state.parts[i] for i in pack], 1
+        )
+        for i, column in zip(pack, columns):
+            whole = tf.reshape(column, [-1])[: state.sizes[i]]
+            variables[i].assign(tf.reshape(whole, variables[i].shape))
+
+
+def _wire(cast, dtype):
+    """The dtype `dtype`'s values travel in under `cast` (None: their own)."""
+    return dtype if cast is None else tf.as_dtype(cast.wire_dtype(dtype))
+
+
+def _run_if(when, function):
+    """`function()`, where `when` (if given) is true."""
+    if when is None:
+        function()
+    else:
+        tf.cond(when, lambda: function() or tf.constant(True), lambda: tf.constant(False))
