@@ -225,6 +225,13 @@ def main(inputs_path, model_path, out_dir):
     # What `model.save` writes, gathered from every worker's part.
     for i, value in enumerate(saving.saved_values(model.optimizer)):
         result[f"sharded/saved/{i}"] = value
+    # Int8 on the sharded reduce-scatter: quantized rows, all-to-all.
+    train(
+        lambda: tf_agn.optimizers.Adam(
+            learning_rate, shard_optimizer_state=True, compression="int8"
+        ),
+        "sharded_int8",
+    )
 
     write_results(out_dir, task_index, result)
     log("wrote the results")

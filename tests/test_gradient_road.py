@@ -119,6 +119,10 @@ CONFIGURATIONS = {
         keras.optimizers.Lion(1e-3), compression="int8"
     ),
     "adam_sharded": lambda: tf_agn.optimizers.Adam(shard_optimizer_state=True),
+    "sgd_int8_sharded_accumulation": lambda: tf_agn.optimizers.SGD(
+        0.1, compression=tf_agn.compression.Int8(start_step=1), shard_optimizer_state=True,
+        gradient_accumulation_steps=2,
+    ),
     "agn_int8": lambda: tf_agn.optimizers.AGN(
         keras.optimizers.SGD(0.1), local_steps=1, compression="int8"
     ),

@@ -450,6 +450,19 @@ def test_sharded_state_across_workers_equals_unsharded_in_one_process(cluster):
             saved = result[f"sharded/saved/{i}"]
             assert saved.shape == want.shape, variable.path
             np.testing.assert_allclose(saved, want, rtol=1e-5, atol=1e-7, err_msg=variable.path)
+    # Int8 rows quantized alike in both: the workers end where one process
+    # of as many replicas ends.
+    with strategy.scope():
+        model = build_mlp(initial_params())
+        model.compile(
+            tf_agn.optimizers.Adam(LEARNING_RATE, shard_optimizer_state=True, compression="int8"),
+            "mse",
+        )
+    model.fit(x, y, batch_size=BATCH[num_workers], epochs=1, shuffle=False, verbose=0)
+    for result in workers:
+        weights = [result[f"sharded_int8/{i}"] for i in range(len(initial_params()))]
+        for got, want in zip(weights, model.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["int8", "powersgd"])

@@ -22,6 +22,7 @@ from tf_agn.optimizers import saving
 from compression_model import build
 from compression_model import data
 from conftest import DEVICES
+from error_feedback_reference import quantize_roundtrip
 
 STEPS = 50
 BATCH = 64
@@ -217,11 +218,125 @@ def test_a_windowed_optimizers_sharded_outer_optimizer_is_refused():
         )
 
 
+def int8_sharded_reference(grads, residuals, packs, sizes, weight, chunk_size):
+    """One sharded int8 step in numpy, as tf_agn.optimizers.sharding says:
+    each replica's rows of a pack (its gradients times `weight`, flat,
+    padded to n parts) plus its residual are quantized row by row in chunks
+    of their own; the owner of part j sums the n dequantized rows j in
+    float32; nothing is quantized twice.
+
+    Returns:
+        `(combined, residuals)`: each variable's combined gradient, flat,
+        and each replica's new residual of each variable, flat.
+    """
+    n = len(grads)
+    parts = [-(-size // n) for size in sizes]
+    combined = [None] * len(sizes)
+    new = [[None] * len(sizes) for _ in range(n)]
+    for pack in packs:
+        width = sum(parts[i] for i in pack)
+        padded = -(-width // chunk_size) * chunk_size
+        total = np.zeros((n, padded), np.float32)
+        for r in range(n):
+            rows = np.concatenate([
+                np.pad(grads[r][i] * np.float32(weight) + residuals[r][i], (0, n * parts[i] - sizes[i]))
+                .reshape(n, parts[i]) for i in pack
+            ], axis=1).astype(np.float32)
+            sent = np.pad(rows, [(0, 0), (0, padded - width)])
+            restored = quantize_roundtrip(sent.reshape(-1), chunk_size).reshape(n, padded)
+            total += restored
+            errors = np.split((sent - restored)[:, :width], np.cumsum([parts[i] for i in pack])[:-1], 1)
+            for i, error in zip(pack, errors):
+                new[r][i] = error.reshape(-1)[: sizes[i]]
+        columns = np.split(total[:, :width], np.cumsum([parts[i] for i in pack])[:-1], 1)
+        for i, column in zip(pack, columns):
+            combined[i] = column.reshape(-1)[: sizes[i]]
+    return combined, new
+
+
+@pytest.mark.parametrize("transport", ["local", "collective"])
+@pytest.mark.parametrize("method", ["mean", "sum"])
+def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, method):
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
+    shapes, chunk_size = [(13, 5), (3,), (1,)], 8
+    with strategy.scope():
+        variables = [keras.Variable(np.zeros(shape, "float32")) for shape in shapes]
+        optimizer = tf_agn.optimizers.SGD(
+            1.0, aggregation_method=method, shard_optimizer_state=True,
+            compression=tf_agn.compression.Int8(chunk_size=chunk_size),
+        )
+        optimizer.build(variables)
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    rng = np.random.default_rng(0)
+    weights = [np.zeros(size, np.float32) for size in sizes]
+    residuals = [[np.zeros(size, np.float32) for size in sizes] for _ in range(N)]
+    for _ in range(3):
+        grads = [[rng.standard_normal(size).astype(np.float32) for size in sizes] for _ in range(N)]
+        stacked = [tf.constant(np.stack([g[i].reshape(shape) for g in grads])) for i, shape in enumerate(shapes)]
+
+        @tf.function
+        def step():
+            def apply():
+                rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+                optimizer.apply([tf.gather(g, rank) for g in stacked], variables)
+
+            strategy.run(apply)
+
+        step()
+        # Keras hands each replica g_r / n; MEAN undoes that and divides by
+        # n, SUM only undoes it.
+        weight = 1 if method == "mean" else N
+        combined, residuals = int8_sharded_reference(
+            grads, residuals, optimizer.sharded_state.packs, sizes, weight, chunk_size
+        )
+        weights = [w - c for w, c in zip(weights, combined)]
+        for variable, want in zip(variables, weights):
+            np.testing.assert_allclose(variable.numpy().reshape(-1), want, rtol=0, atol=1e-6)
+        _, states = optimizer.error_feedback_state()
+        for i, state in enumerate(states):
+            copies = strategy.experimental_local_results(state["residual"].value)
+            for r, copy in enumerate(copies):
+                np.testing.assert_allclose(copy.numpy().reshape(-1), residuals[r][i], rtol=0, atol=1e-6)
+    # The quantized rows and the float32 weights, each half an all-reduce.
+    padded = [-(-sum(-(-sizes[i] // N) for i in pack) // chunk_size) * chunk_size
+              for pack in optimizer.sharded_state.packs]
+    wire = sum(N * p + 4 * N * p // chunk_size for p in padded)
+    gathered = 4 * N * sum(-(-size // N) for size in sizes)
+    assert optimizer.communication_stats()["bytes_sent"] == 3 * (wire // 2 + gathered // 2)
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_int8_trains_as_uncompressed_and_starts_at_its_start_step(accumulation):
+    strategy = tf_agn.strategies.mirrored(DEVICES)
+    make = lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=accumulation)  # noqa: E731
+    model, change = train(strategy, make, True, compression=tf_agn.compression.Int8(start_step=10))
+    _, plain_change = train(strategy, make, False)
+    windows = STEPS // (accumulation or 1)
+    difference = relative(np.concatenate([c.ravel() for c in change]),
+                          np.concatenate([c.ravel() for c in plain_change]))
+    assert 0 < difference <= 0.05
+    # The first 10 optimizer steps (windows: Keras's `iterations` counts
+    # them) send float32 (two halves of 4 bytes per element), the others
+    # int8 rows (a code per element padded to whole chunks of 512, and a
+    # scale per chunk) and the float32 weights.
+    float32 = 10
+    elements = sum(-(-v.size // N) * N for v in model.get_weights())
+    sizes = [v.size for v in model.get_weights()]
+    padded = [-(-sum(-(-sizes[i] // N) for i in pack) // 512) * 512
+              for pack in model.optimizer.inner_optimizer.sharded_state.packs]
+    int8 = sum(N * p + 4 * N * p // 512 for p in padded) // 2 + 2 * elements
+    stats = model.optimizer.communication_stats()
+    assert stats["bytes_sent"] == float32 * 4 * elements + (windows - float32) * int8
+    assert stats["all_reduce_calls"] == windows
+
+
 def test_compression_and_stock_strategies_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"compression='int8' \(fp16 and bf16 shard\)"):
+    with pytest.raises(ValueError, match=r"compression='powersgd' \(fp16, bf16 and int8 shard"):
         build(
             tf_agn.strategies.mirrored(DEVICES),
-            lambda: tf_agn.optimizers.SGD(0.1, compression="int8", shard_optimizer_state=True),
+            lambda: tf_agn.optimizers.SGD(
+                0.1, compression=tf_agn.compression.PowerSGD(rank=1), shard_optimizer_state=True
+            ),
         ).fit(*data(rows=BATCH), batch_size=BATCH, verbose=0)
     stock = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
     with pytest.raises(ValueError, match="MirroredStrategy without tf_agn's cross-device ops"):

@@ -234,6 +234,24 @@ def all_gather(tensors, when=None):
     return _pattern("all_gather", tensors, lambda t: t, when)
 
 
+def all_to_all(tensors, when=None):
+    """Row j of this replica's tensors to replica j: for each tensor, the n
+    rows the replicas sent this replica, in replica order (what int8
+    reduce-scatters by).
+
+    Args:
+        tensors: this replica's tensors, each with a first dimension of n.
+        when: as `reduce_scatter` takes it.
+
+    Returns:
+        For each tensor, a tensor of its shape: row j from replica j.
+
+    Raises:
+        ValueError: under other cross-device ops.
+    """
+    return _pattern("all_to_all", tensors, lambda t: t, when)
+
+
 def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
     """`pattern` of `tensors` on the transport of the strategy's ops, in one
     `merge_call`; `alone(tensor)` where this replica is the only one."""
@@ -273,12 +291,19 @@ def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
 
         def stand_in():
             return [
-                [t[0] if pattern == "reduce_scatter" else tf.concat([t] * n, 0) for t in replica]
+                [_stand_in(pattern, t, n) for t in replica]
                 for replica in per_replica
             ]
 
         results = tf.cond(local(when)[0], launch, stand_in)
     return _regroup_each(zip(*results))
+
+
+def _stand_in(pattern, tensor, n):
+    """A tensor of the shape `pattern` gives for `tensor` among n replicas."""
+    if pattern == "reduce_scatter":
+        return tensor[0]
+    return tensor if pattern == "all_to_all" else tf.concat([tensor] * n, 0)
 
 
 def _launch_each(transport, pattern, method, value_scale, per_replica):
@@ -294,6 +319,8 @@ def _launch_each(transport, pattern, method, value_scale, per_replica):
                     with tf.device(device):
                         tensors[r] = scale_value(tensors[r], weight)
             combined = transport.reduce_scatter(tensors)
+        elif pattern == "all_to_all":
+            combined = transport.all_to_all(tensors)
         else:
             combined = transport.all_gather(tensors)
         for replica, tensor in zip(results, combined):

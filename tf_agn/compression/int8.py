@@ -180,6 +180,42 @@ class Int8(ErrorFeedbackCompressor):
                         new_states[r][index] = {"residual": residuals[position]}
         return combined, new_states
 
+    def encode_rows(self, rows, residual_rows=None):
+        """One replica's rows for a reduce-scatter, in replica context: row
+        j, for replica j, plus its residual, quantized in chunks of its own.
+
+        Args:
+            rows: a float32 tensor [n, length].
+            residual_rows: None, or this replica's residual, as `rows`.
+
+        Returns:
+            `(wire, error)`: an int32 buffer of n rows for an all-to-all,
+            and what quantization dropped, as `rows` (None without error
+            feedback).
+        """
+        layout = self.rows_layout(*rows.shape)
+        if residual_rows is not None:
+            rows += residual_rows
+        padding = layout.part_length - rows.shape[1]
+        flat = tf.reshape(tf.pad(rows, [[0, 0], [0, padding]]), [-1])
+        codes, scales = _quantize_flat(flat, self.chunk_size)
+        wire, error = _encode(flat, codes, scales, layout.parts, self.error_feedback)
+        if error is not None:
+            error = tf.reshape(error, [layout.parts, -1])[:, : rows.shape[1]]
+        return wire, error
+
+    def sum_rows(self, received, length):
+        """The float32 sum of the n rows of `encode_rows` wires that one
+        replica received: a tensor [length]."""
+        layout = self.rows_layout(received.shape[0], length)
+        return _sum_part(received, layout)[:length]
+
+    def rows_layout(self, num_rows, length):
+        """How `encode_rows` pads n rows of `length`: each to whole chunks.
+        Its `wire_bytes` is what one replica sends."""
+        padded = -(-length // self.chunk_size) * self.chunk_size
+        return _Layout(num_rows * padded, num_rows, self.chunk_size)
+
     def _quantized(self, flat, rows, jit_compile, device):
         """`flat` quantized as an int32 buffer of `rows` rows, and what
         quantization dropped (None without error feedback)."""

@@ -132,8 +132,10 @@ class Aggregating(Communicating):
         method = self.resolved_aggregation
         # With NONE nothing travels, so nothing is compressed or kept.
         compressor = None if method is AggregationMethod.NONE else self.resolved_compression
-        # An accumulated window is dense, whatever the gradients were.
-        sparse = None if self.gradient_accumulation_steps else self.sparse_gradients
+        # An accumulated window, or a sharded step's rows, are dense,
+        # whatever the gradients were.
+        dense = self.gradient_accumulation_steps or self.shard_optimizer_state
+        sparse = None if dense else self.sparse_gradients
         agreement.check_optimizer_agreement(
             self,
             method,

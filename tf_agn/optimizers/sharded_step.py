@@ -6,9 +6,13 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
+from tf_agn.aggregation import method_scale
+from tf_agn.compression import acting_on
+from tf_agn.compression import is_stateful
 from tf_agn.finite import all_finite
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
+from tf_agn.replica_aggregation import all_to_all
 from tf_agn.replica_aggregation import gradient_scale
 from tf_agn.replica_aggregation import reduce_scatter
 
@@ -31,24 +35,29 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     """
     state = optimizer.sharded_state
     rows = [state.rows(g, i) for i, g in enumerate(grads)]
-    cast = optimizer.resolved_compression  # None, or fp16's or bf16's
-    # As an all-reduce's payload: the reduce-scatter moves half its volume
-    # in the wire dtype, the all-gather of the weights the other half in
-    # theirs.
-    optimizer._communication.record(
-        sum(r.shape.num_elements() * (_wire(cast, r.dtype).size + r.dtype.size) // 2 for r in rows),
-        when,
-    )
+    arguments = optimizer.compression_arguments(variables)
+    quantized = is_stateful(arguments["compressor"])  # int8; PowerSGD is refused
+    residuals = [s.get("residual") if quantized else None for s in arguments["state"]]
+    # The all-gather of the weights moves half an all-reduce's volume, in
+    # their own dtype; `_reduce_scatter` counts the other half.
+    payload = sum(r.shape.num_elements() * r.dtype.size // 2 for r in rows)
     combined = [None] * len(grads)
+    new_residuals = {}
     for pack in state.packs:
         joined = tf.concat([rows[i] for i in pack], 1)
-        wire = joined if _wire(cast, joined.dtype) == joined.dtype else cast.compress(joined)
-        (summed,) = reduce_scatter(
-            [wire], optimizer.resolved_aggregation, gradient_scale() * value_scale, when,
+        residual = None
+        if residuals[pack[0]] is not None:
+            residual = tf.concat([state.rows(residuals[i], i) for i in pack], 1)
+        summed, error, sent = _reduce_scatter(
+            optimizer, arguments, joined, residual, value_scale, when
         )
-        summed = tf.cast(summed, joined.dtype)
-        for i, part in zip(pack, tf.split(summed, [state.parts[i] for i in pack])):
+        payload += sent
+        sizes = [state.parts[i] for i in pack]
+        for i, part in zip(pack, tf.split(summed, sizes)):
             combined[i] = part
+        if error is not None:
+            new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
+    optimizer._communication.record(payload, when)
     combined = clipped(optimizer, combined, when)
     if when is not None:
         # Whether any replica's part is not finite, agreed by all.
@@ -68,6 +77,9 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
                 if _compat.uses_weight_decay(optimizer, variable)
             ])
         optimizer._update_in_place(combined, state.variables, optimizer.learning_rate)
+        for i, error in new_residuals.items():
+            whole = tf.reshape(error, [-1])[: state.sizes[i]]
+            residuals[i].assign(tf.reshape(whole, residuals[i].shape))
 
     _run_if(when, step)
     gathered = {}
@@ -76,6 +88,51 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
             [tf.concat([state.variables[i] for i in pack], 0)], when
         )
     _run_if(when, lambda: _assign_gathered(state, gathered, variables))
+
+
+def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
+    """This replica's part of one pack's rows `joined` ([n, length]),
+    combined with the optimizer's method as its compressor sends them.
+
+    Returns:
+        `(part, error, sent)`: the part [length]; the new residual rows
+        (int8's error feedback; else None); the bytes this replica sends,
+        counted as half an all-reduce's payload.
+    """
+    compressor, method = arguments["compressor"], optimizer.resolved_aggregation
+    scale = gradient_scale() * value_scale
+    exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
+    if not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
+        cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
+        if cast is None:
+            (summed,) = reduce_scatter([joined], method, scale, when)
+            return summed, None, exact_bytes
+        (summed,) = reduce_scatter([cast.compress(joined)], method, scale, when)
+        sent = joined.shape.num_elements() * tf.as_dtype(cast.wire_dtype(joined.dtype)).size // 2
+        return cast.decompress(summed, joined.dtype), None, sent
+    # Int8: rows quantized with this replica's weight and residual, sent by
+    # an all-to-all, summed in float32 by the part's owner.
+    num_replicas, length = joined.shape
+    weighted = joined * method_scale(method, joined.dtype, num_replicas, scale)
+    wire, error = compressor.encode_rows(weighted, residual)
+    sent = compressor.rows_layout(num_replicas, length).wire_bytes // 2
+    if not compressor.start_step:
+        (received,) = all_to_all([wire], when)
+        return compressor.sum_rows(received, length), error, sent
+    # Before `start_step` the rows travel exactly and the residual waits;
+    # each pattern runs only where its condition holds.
+    compressing = tf.greater_equal(arguments["step"], compressor.start_step)
+    exactly = tf.logical_not(compressing)
+    (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
+    (received,) = all_to_all([wire], _both(when, compressing))
+    part = tf.where(compressing, compressor.sum_rows(received, length), exact)
+    if error is not None:
+        error = tf.where(compressing, error, residual)
+    return part, error, tf.where(compressing, tf.constant(sent, tf.int64), exact_bytes)
+
+
+def _both(when, condition):
+    return condition if when is None else tf.logical_and(when, condition)
 
 
 def clipped(optimizer, parts, when=None):
@@ -118,11 +175,6 @@ def _assign_gathered(state, gathered, variables):
         for i, column in zip(pack, columns):
             whole = tf.reshape(column, [-1])[: state.sizes[i]]
             variables[i].assign(tf.reshape(whole, variables[i].shape))
-
-
-def _wire(cast, dtype):
-    """The dtype `dtype`'s values travel in under `cast` (None: their own)."""
-    return dtype if cast is None else tf.as_dtype(cast.wire_dtype(dtype))
 
 
 def _run_if(when, function):

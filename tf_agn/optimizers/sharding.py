@@ -17,7 +17,8 @@ A reduce-scatter and an all-gather move what one all-reduce moves. Weight
 decay is applied to every replica's whole copy before, as without
 sharding; `clipnorm` and `global_clipnorm` clip the parts by the whole
 gradients' norms; the weights every replica holds stay equal. With fp16 or
-bf16 compression the gradients travel in that dtype; the weights do not.
+bf16 compression the gradients travel in that dtype, with int8 as
+quantized rows by an all-to-all (`sharded_step`); the weights do not.
 
 Example:
 
@@ -36,6 +37,7 @@ from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.compression import Cast
+from tf_agn.compression import Int8
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import tf_agn_ops
 
@@ -82,8 +84,11 @@ def check_shardable(optimizer, method, compressor):
         )
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
-    if compressor is not None and not isinstance(compressor, Cast):
-        problems.append(f"compression={compressor.name!r} (fp16 and bf16 shard)")
+    if compressor is not None and not isinstance(compressor, (Cast, Int8)):
+        problems.append(
+            f"compression={compressor.name!r} (fp16, bf16 and int8 shard; PowerSGD's "
+            "factors need whole matrices on every replica)"
+        )
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")
     strategy = _compat.creation_strategy(optimizer)
