@@ -139,6 +139,24 @@ def test_resume_without_a_strategy_and_several_steps_per_execution(tmp_path):
     )
 
 
+def test_a_changed_global_batch_warns_and_resumes_at_the_same_share_of_the_epoch(tmp_path):
+    strategy = tf.distribute.get_strategy()
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(restart_model.build_model(strategy), backup_dir, 1, 3, save_freq=1)
+    assert _pointer(backup_dir)["steps_per_epoch"] == 4
+    assert (_pointer(backup_dir)["epoch"], _pointer(backup_dir)["step"]) == (1, 3)
+    resumed = restart_model.build_model(strategy)
+    x, y = restart_model.data()
+    with pytest.warns(UserWarning, match=r"run of 4 steps per epoch with 2: the global batch is "
+                      r"about 2 times .* resumes at step 1 \(was 3\)"):
+        resumed.fit(x, y, batch_size=2 * restart_model.GLOBAL_BATCH, epochs=restart_model.EPOCHS,
+                    shuffle=False, verbose=0,
+                    callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
+    # 7 steps of 16 rows before the backup, then 1 step of 32 rows to finish
+    # epoch 1 and 2 in each of the 3 epochs left.
+    assert int(resumed.optimizer.iterations.numpy()) == 7 + 1 + 2 * (restart_model.EPOCHS - 2)
+
+
 def test_epoch_backups_resume_at_the_next_epoch_and_fit_leaves_no_state(tmp_path):
     strategy = tf.distribute.get_strategy()
     reference = restart_model.build_model(strategy)

@@ -2,6 +2,7 @@
 sharing one backup directory, restoring every replica's own state."""
 
 import os
+import warnings
 
 import keras
 import tensorflow as tf
@@ -205,7 +206,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "backup stays the latest."
             )
         if self._task.is_chief:
-            self._files.write_pointer(checkpoint, epoch, step, strategy.num_replicas_in_sync)
+            self._files.write_pointer(
+                checkpoint, epoch, step, strategy.num_replicas_in_sync, self.params.get("steps")
+            )
         # The pointer names `checkpoint` or, if the chief has not renamed
         # it yet, `checkpoint - 1` (published before this save's barrier).
         self._files.remove_states_older_than(checkpoint - 1)
@@ -214,6 +217,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Restores the backup `pointer` names; `fit` resumes where it was
         taken."""
         strategy = self.model.distribute_strategy
+        pointer["step"] = _resumed_step(pointer, self.params.get("steps"))
         if (pointer["tasks"], pointer["num_replicas_in_sync"]) == (
             self._task.all_names, strategy.num_replicas_in_sync
         ):
@@ -233,6 +237,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         _compat.set_initial_epoch(self.model, pointer["epoch"])
         if pointer["step"]:
             self._batch_skipper = _BatchSkipper(self.model, pointer["step"])
+
+
+def _resumed_step(pointer, steps_per_epoch):
+    """The step of the interrupted epoch that `fit`, now taking
+    `steps_per_epoch` steps an epoch, resumes at: where as much of the
+    epoch's data has passed as when `pointer`'s backup was taken (rounded
+    down). Warns when the steps per epoch, so the global batch, changed."""
+    saved = pointer.get("steps_per_epoch")
+    if not saved or not steps_per_epoch or saved == steps_per_epoch:
+        return pointer["step"]
+    step = pointer["step"] * steps_per_epoch // saved
+    warnings.warn(
+        f"Resuming a run of {saved} steps per epoch with {steps_per_epoch}: the "
+        f"global batch is about {saved / steps_per_epoch:.3g} times the old one, so "
+        "each step averages the gradient over another number of examples. Keep the "
+        "global batch (the batch per replica times the replicas) to train as before, "
+        "or scale the learning rate with it. The interrupted epoch resumes at step "
+        f"{step} (was {pointer['step']}).",
+        stacklevel=3,
+    )
+    return step
 
 
 class _BatchSkipper:

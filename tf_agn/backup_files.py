@@ -67,8 +67,9 @@ class BackupFiles:
 
         Returns:
             A dict with the backup's "checkpoint" number, the "epoch" and
-            "step" within it that `fit` resumes from, and the "tasks" and
-            "num_replicas_in_sync" it was taken on.
+            "step" within it that `fit` resumes from, and the "tasks",
+            "num_replicas_in_sync" and "steps_per_epoch" (None where `fit`
+            did not know it) it was taken with.
 
         Raises:
             ValueError: if the backup is of another format.
@@ -85,7 +86,7 @@ class BackupFiles:
             )
         return pointer
 
-    def write_pointer(self, checkpoint, epoch, step, num_replicas_in_sync):
+    def write_pointer(self, checkpoint, epoch, step, num_replicas_in_sync, steps_per_epoch=None):
         """Publishes backup `checkpoint`, which resumes at `step` of `epoch`."""
         pointer = {
             "format": _FORMAT,
@@ -94,6 +95,7 @@ class BackupFiles:
             "step": step,
             "tasks": self._task.all_names,
             "num_replicas_in_sync": num_replicas_in_sync,
+            "steps_per_epoch": steps_per_epoch,
         }
         _write_atomically(self._pointer, lambda f: f.write(json.dumps(pointer).encode()))
 
