@@ -4,7 +4,8 @@
 # placement on each replica's GPU), ordered collectives (the whole
 # CrossDeviceOps contract against ReductionToOneDevice, many packs with sparse
 # values, eager and traced, steps_per_execution=3 against 1), compression
-# under the stock MirroredStrategy (NCCL) against tf_agn's ops, NCCL's
+# under the stock MirroredStrategy (NCCL) against tf_agn's ops, sharded
+# optimizer state against unsharded, NCCL's
 # reduce-scatter (2+ GPUs), then the time of
 # one all-reduce (SUM, 12.6 M floats in 48 tensors, Keras's replica-context
 # path) for the stock
