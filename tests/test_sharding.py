@@ -254,16 +254,18 @@ def int8_sharded_reference(grads, residuals, packs, sizes, weight, chunk_size):
     return combined, new
 
 
-@pytest.mark.parametrize("transport", ["local", "collective"])
-@pytest.mark.parametrize("method", ["mean", "sum"])
-def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, method):
+@pytest.mark.parametrize("transport, method, error_feedback", [
+    ("local", "mean", True), ("local", "sum", True), ("collective", "mean", True),
+    ("collective", "sum", True), ("local", "mean", False),
+])
+def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, method, error_feedback):
     strategy = tf_agn.strategies.mirrored(DEVICES, transport=transport)
     shapes, chunk_size = [(13, 5), (3,), (1,)], 8
     with strategy.scope():
         variables = [keras.Variable(np.zeros(shape, "float32")) for shape in shapes]
         optimizer = tf_agn.optimizers.SGD(
             1.0, aggregation_method=method, shard_optimizer_state=True,
-            compression=tf_agn.compression.Int8(chunk_size=chunk_size),
+            compression=tf_agn.compression.Int8(chunk_size=chunk_size, error_feedback=error_feedback),
         )
         optimizer.build(variables)
     sizes = [int(np.prod(shape)) for shape in shapes]
@@ -289,9 +291,14 @@ def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, met
         combined, residuals = int8_sharded_reference(
             grads, residuals, optimizer.sharded_state.packs, sizes, weight, chunk_size
         )
+        if not error_feedback:
+            residuals = [[np.zeros_like(e) for e in replica] for replica in residuals]
         weights = [w - c for w, c in zip(weights, combined)]
         for variable, want in zip(variables, weights):
             np.testing.assert_allclose(variable.numpy().reshape(-1), want, rtol=0, atol=1e-6)
+        if not error_feedback:
+            assert optimizer.error_feedback_state() is None
+            continue
         _, states = optimizer.error_feedback_state()
         for i, state in enumerate(states):
             copies = strategy.experimental_local_results(state["residual"].value)
