@@ -104,12 +104,10 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
     if not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
         cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
-        if cast is None:
-            (summed,) = reduce_scatter([joined], method, scale, when)
-            return summed, None, exact_bytes
-        (summed,) = reduce_scatter([cast.compress(joined)], method, scale, when)
-        sent = joined.shape.num_elements() * tf.as_dtype(cast.wire_dtype(joined.dtype)).size // 2
-        return cast.decompress(summed, joined.dtype), None, sent
+        wire = joined if cast is None else cast.compress(joined)
+        (summed,) = reduce_scatter([wire], method, scale, when)
+        part = summed if cast is None else cast.decompress(summed, joined.dtype)
+        return part, None, joined.shape.num_elements() * wire.dtype.size // 2
     # Int8: rows quantized with this replica's weight and residual, sent by
     # an all-to-all, summed in float32 by the part's owner.
     num_replicas, length = joined.shape
