@@ -48,7 +48,8 @@ TOLERANCE = {
     "powersgd": 1e-4,
     "int8": 0.0,
     # One rounding of each partial sum to the wire dtype (unit roundoff
-    # 2^-11 and 2^-8): measured 1.3e-4 to 1.6e-4 and 1.0e-3 to 1.1e-3.
+    # 2^-11 and 2^-8; see test_a_stock_strategy_sums_the_casts_in_their_wire_dtype):
+    # measured 1.3e-4 to 1.6e-4 and 1.0e-3 to 1.1e-3.
     "fp16": 4e-4,
     "bf16": 4e-3,
 }
@@ -130,6 +131,35 @@ def test_stock_mirrored_strategy_accumulates_and_compresses_once_per_window(stoc
     got, stats = trained(stock_default, "int8_k2", len(want))
     assert relative_difference(got, want) <= TOLERANCE["int8"]
     assert stats["all_reduce_calls"] == want_stats["all_reduce_calls"] == STEPS // 2
+
+
+@pytest.mark.parametrize("cast", [compression.FP16, compression.BF16], ids=["fp16", "bf16"])
+def test_a_stock_strategy_sums_the_casts_in_their_wire_dtype(cast):
+    # Where the casts' tolerance above comes from: the strategy rounds every
+    # partial sum to the wire dtype (here bitwise numpy's left-to-right sum
+    # in that dtype), where the local transport sums the same values in
+    # float32. One all-reduce of 4 replicas already differs by about
+    # 3.4e-4 (fp16) and 2.7e-3 (bf16); summing in float32 instead would need
+    # float32 on the wire or every replica's payload (an all-gather).
+    wire_dtype = cast.wire_dtype(tf.float32).as_numpy_dtype
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(len(DEVICES), 1000)).astype(np.float32)
+    strategy = reduction_to_one_device()
+
+    @tf.function
+    def replica_sum():
+        context = tf.distribute.get_replica_context()
+        mine = tf.gather(tf.constant(values), context.replica_id_in_sync_group)
+        return ReplicaTransport(context).all_reduce([[mine]], cast=cast)[0][0]
+
+    for got in strategy.experimental_local_results(strategy.run(replica_sum)):
+        on_the_wire = functools.reduce(lambda a, b: a + b, values.astype(wire_dtype))
+        np.testing.assert_array_equal(got.numpy(), on_the_wire.astype(np.float32))
+        in_float32 = values.astype(wire_dtype).astype(np.float32).sum(0)
+        unit_roundoff = {"fp16": 2.0**-11, "bf16": 2.0**-8}[cast.name]
+        assert 0.1 * unit_roundoff < relative_difference([got.numpy()], [in_float32]) < (
+            (len(DEVICES) - 1) * unit_roundoff
+        )
 
 
 def test_int8_receives_every_replicas_payload_from_an_all_gather():
