@@ -152,11 +152,11 @@ def test_a_stock_strategy_sums_the_casts_in_their_wire_dtype(cast):
         mine = tf.gather(tf.constant(values), context.replica_id_in_sync_group)
         return ReplicaTransport(context).all_reduce([[mine]], cast=cast)[0][0]
 
+    on_the_wire = functools.reduce(np.add, values.astype(wire_dtype)).astype(np.float32)
+    in_float32 = values.astype(wire_dtype).astype(np.float32).sum(0)
+    unit_roundoff = {"fp16": 2.0**-11, "bf16": 2.0**-8}[cast.name]
     for got in strategy.experimental_local_results(strategy.run(replica_sum)):
-        on_the_wire = functools.reduce(lambda a, b: a + b, values.astype(wire_dtype))
-        np.testing.assert_array_equal(got.numpy(), on_the_wire.astype(np.float32))
-        in_float32 = values.astype(wire_dtype).astype(np.float32).sum(0)
-        unit_roundoff = {"fp16": 2.0**-11, "bf16": 2.0**-8}[cast.name]
+        np.testing.assert_array_equal(got.numpy(), on_the_wire)
         assert 0.1 * unit_roundoff < relative_difference([got.numpy()], [in_float32]) < (
             (len(DEVICES) - 1) * unit_roundoff
         )
