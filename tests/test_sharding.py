@@ -289,7 +289,7 @@ def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, met
         # n, SUM only undoes it.
         weight = 1 if method == "mean" else N
         combined, residuals = int8_sharded_reference(
-            grads, residuals, optimizer.sharded_state.packs, sizes, weight, chunk_size
+            grads, residuals, optimizer.sharded_state.packs(range(len(sizes))), sizes, weight, chunk_size
         )
         if not error_feedback:
             residuals = [[np.zeros_like(e) for e in replica] for replica in residuals]
@@ -306,7 +306,7 @@ def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, met
                 np.testing.assert_allclose(copy.numpy().reshape(-1), residuals[r][i], rtol=0, atol=1e-6)
     # The quantized rows and the float32 weights, each half an all-reduce.
     padded = [-(-sum(-(-sizes[i] // N) for i in pack) // chunk_size) * chunk_size
-              for pack in optimizer.sharded_state.packs]
+              for pack in optimizer.sharded_state.packs(range(len(sizes)))]
     wire = sum(N * p + 4 * N * p // chunk_size for p in padded)
     gathered = 4 * N * sum(-(-size // N) for size in sizes)
     assert optimizer.communication_stats()["bytes_sent"] == 3 * (wire // 2 + gathered // 2)
@@ -330,7 +330,7 @@ def test_int8_trains_as_uncompressed_and_starts_at_its_start_step(accumulation):
     elements = sum(-(-v.size // N) * N for v in model.get_weights())
     sizes = [v.size for v in model.get_weights()]
     padded = [-(-sum(-(-sizes[i] // N) for i in pack) // 512) * 512
-              for pack in model.optimizer.inner_optimizer.sharded_state.packs]
+              for pack in model.optimizer.inner_optimizer.sharded_state.packs(range(len(sizes)))]
     int8 = sum(N * p + 4 * N * p // 512 for p in padded) // 2 + 2 * elements
     stats = model.optimizer.communication_stats()
     assert stats["bytes_sent"] == float32 * 4 * elements + (windows - float32) * int8

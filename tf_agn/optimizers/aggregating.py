@@ -132,10 +132,8 @@ class Aggregating(Communicating):
         method = self.resolved_aggregation
         # With NONE nothing travels, so nothing is compressed or kept.
         compressor = None if method is AggregationMethod.NONE else self.resolved_compression
-        # An accumulated window, or a sharded step's rows, are dense,
-        # whatever the gradients were.
-        dense = self.gradient_accumulation_steps or self.shard_optimizer_state
-        sparse = None if dense else self.sparse_gradients
+        # An accumulated window is dense, whatever the gradients were.
+        sparse = None if self.gradient_accumulation_steps else self.sparse_gradients
         agreement.check_optimizer_agreement(
             self,
             method,
@@ -195,6 +193,11 @@ class Aggregating(Communicating):
         # step is traced, rather than a no-op `_clip_gradients`, so that the
         # method keeps Keras' contract for other callers.
         self._clipping_deferred = True
+        # Keras's `apply` takes any of the built variables, in any order.
+        # In the order built, every replica and worker sends the same
+        # values in the same order whatever order a call gives, and a call
+        # with every variable packs as the optimizer was built.
+        grads, trainable_variables = in_built_order(self, grads, trainable_variables)
         try:
             if self.gradient_accumulation_steps:
                 accumulate_and_apply(self, grads, trainable_variables, self._apply_window)
@@ -268,6 +271,13 @@ class Aggregating(Communicating):
         config["sparse_gradients"] = self.sparse_gradients
         config["shard_optimizer_state"] = self.shard_optimizer_state
         return config
+
+
+def in_built_order(optimizer, grads, variables):
+    """`grads` and `variables`, sorted by the variables' positions among
+    those `optimizer` was built with."""
+    order = sorted(range(len(variables)), key=lambda i: _compat.variable_index(optimizer, variables[i]))
+    return [grads[i] for i in order], [variables[i] for i in order]
 
 
 def check_strategy(optimizer):

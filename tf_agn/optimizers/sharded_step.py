@@ -10,6 +10,7 @@ from tf_agn.aggregation import method_scale
 from tf_agn.compression import acting_on
 from tf_agn.compression import is_stateful
 from tf_agn.finite import all_finite
+from tf_agn.optimizers.compression_state import check_gradients
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import all_to_all
@@ -22,9 +23,10 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
 
     Args:
         optimizer: a built tf_agn optimizer whose `sharded_state` is set.
-        grads: this replica's gradients of `variables` (or, with
-            accumulation, its window).
-        variables: the trainable variables, in the order built.
+        grads: this replica's gradients of `variables`: tensors or
+            `tf.IndexedSlices` (or, with accumulation, its window).
+        variables: any of the trainable variables the optimizer was built
+            with, in the order built (`Aggregating` sorts every call).
         value_scale: a Python number the gradients are multiplied by first
             (1/k for the mean of a window of k).
         when: None, or a scalar boolean tensor, the same on every replica:
@@ -34,27 +36,43 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
             Keras has decayed the whole weights before).
     """
     state = optimizer.sharded_state
-    rows = [state.rows(g, i) for i, g in enumerate(grads)]
+    # Everything kept beside Keras's state is found by the variable's
+    # position among those built, never by its position in this call.
+    indices = [state.index_of(v) for v in variables]
+    rank = tf.distribute.get_replica_context().replica_id_in_sync_group
     arguments = optimizer.compression_arguments(variables)
+    check_gradients(grads, variables, arguments["state"], optimizer.sparse_gradients)
     quantized = is_stateful(arguments["compressor"])  # int8; PowerSGD is refused
     residuals = [s.get("residual") if quantized else None for s in arguments["state"]]
+    combined = [None] * len(grads)
+    dense = []
+    for position, grad in enumerate(grads):
+        if isinstance(grad, tf.IndexedSlices):
+            combined[position] = _part_of_sparse(
+                optimizer, grad, indices[position], rank, value_scale, when
+            )
+        else:
+            dense.append(position)
+    rows = {p: state.rows(grads[p], indices[p]) for p in dense}
     # The all-gather of the weights moves half an all-reduce's volume, in
     # their own dtype; `_reduce_scatter` counts the other half.
-    payload = sum(r.shape.num_elements() * r.dtype.size // 2 for r in rows)
-    combined = [None] * len(grads)
+    payload = sum(
+        state.parts[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
+        for i, v in zip(indices, variables)
+    )
     new_residuals = {}
-    for pack in state.packs:
-        joined = tf.concat([rows[i] for i in pack], 1)
+    for pack in _packs(state, indices, dense):
+        joined = tf.concat([rows[p] for p in pack], 1)
         residual = None
         if residuals[pack[0]] is not None:
-            residual = tf.concat([state.rows(residuals[i], i) for i in pack], 1)
+            residual = tf.concat([state.rows(residuals[p], indices[p]) for p in pack], 1)
         summed, error, sent = _reduce_scatter(
             optimizer, arguments, joined, residual, value_scale, when
         )
         payload += sent
-        sizes = [state.parts[i] for i in pack]
-        for i, part in zip(pack, tf.split(summed, sizes)):
-            combined[i] = part
+        sizes = [state.parts[indices[p]] for p in pack]
+        for p, part in zip(pack, tf.split(summed, sizes)):
+            combined[p] = part
         if error is not None:
             new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
     optimizer._communication.record(payload, when)
@@ -66,28 +84,66 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
             AggregationMethod.SUM, when=when,
         )
         when = tf.logical_and(when, tf.equal(non_finite, 0.0))
-    rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+    parts = state.variables_at(indices)
 
     def step():
-        for i, (variable, part) in enumerate(zip(variables, state.variables)):
-            part.assign(tf.gather(state.rows(variable, i), rank))
+        for variable, part, index in zip(variables, parts, indices):
+            part.assign(tf.gather(state.rows(variable, index), rank))
         if when is not None:
             _compat.apply_weight_decay(optimizer, [
-                part for part, variable in zip(state.variables, variables)
+                part for part, variable in zip(parts, variables)
                 if _compat.uses_weight_decay(optimizer, variable)
             ])
-        optimizer._update_in_place(combined, state.variables, optimizer.learning_rate)
-        for i, error in new_residuals.items():
-            whole = tf.reshape(error, [-1])[: state.sizes[i]]
-            residuals[i].assign(tf.reshape(whole, residuals[i].shape))
+        optimizer._update_in_place(combined, parts, optimizer.learning_rate)
+        for p, error in new_residuals.items():
+            whole = tf.reshape(error, [-1])[: state.sizes[indices[p]]]
+            residuals[p].assign(tf.reshape(whole, residuals[p].shape))
 
     _run_if(when, step)
-    gathered = {}
-    for pack in state.packs:
-        (gathered[tuple(pack)],) = all_gather(
-            [tf.concat([state.variables[i] for i in pack], 0)], when
-        )
-    _run_if(when, lambda: _assign_gathered(state, gathered, variables))
+    gathered = [
+        (pack, all_gather([tf.concat([parts[p] for p in pack], 0)], when)[0])
+        for pack in _packs(state, indices, range(len(variables)))
+    ]
+    _run_if(when, lambda: _assign_gathered(state, gathered, variables, indices))
+
+
+def _packs(state, indices, positions):
+    """`state.packs` of the variables at `positions` of this call, as lists
+    of those positions."""
+    positions = list(positions)
+    return [
+        [positions[j] for j in pack]
+        for pack in state.packs([indices[p] for p in positions])
+    ]
+
+
+def _part_of_sparse(optimizer, grad, index, rank, value_scale, when):
+    """This replica's part of the replicas' combined sparse `grad`, as
+    `tf.IndexedSlices` of the part's elements.
+
+    The slices travel whole and uncompressed, as without sharding, and keep
+    their repeated indices: Keras's update rules treat `tf.IndexedSlices`
+    slice by slice (Adam squares each slice before repeated ones are
+    summed), so the part's update is the one the whole variable gets.
+    """
+    state = optimizer.sharded_state
+    (summed,) = aggregate(
+        [grad], optimizer.resolved_aggregation,
+        value_scale=gradient_scale() * value_scale,
+        counter=optimizer._communication, when=when,
+    )
+    values = tf.reshape(summed.values, [tf.shape(summed.values)[0], -1])
+    row_length = tf.shape(values, out_type=tf.int64)[1]
+    columns = tf.range(row_length, dtype=tf.int64)
+    part = state.parts[index]
+    flat = tf.cast(summed.indices, tf.int64)[:, None] * row_length + columns[None, :]
+    flat = tf.reshape(flat, [-1]) - tf.cast(rank, tf.int64) * part
+    mine = tf.logical_and(flat >= 0, flat < part)
+    return tf.IndexedSlices(
+        tf.boolean_mask(tf.reshape(values, [-1]), mine),
+        tf.boolean_mask(flat, mine),
+        dense_shape=tf.constant([part], tf.int64),
+    )
 
 
 def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
@@ -142,37 +198,51 @@ def clipped(optimizer, parts, when=None):
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         norms = whole_norms(parts, when)
         return [
-            p * optimizer.clipnorm / tf.maximum(tf.cast(n, p.dtype), optimizer.clipnorm)
+            _map_values(p, lambda v, n=n: v * optimizer.clipnorm / tf.maximum(
+                tf.cast(n, v.dtype), optimizer.clipnorm))
             for p, n in zip(parts, tf.unstack(norms))
         ]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         norm = tf.norm(whole_norms(parts, when))
         clip = optimizer.global_clipnorm
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-        return [p * tf.cast(scale, p.dtype) for p in parts]
+        return [_map_values(p, lambda v: v * tf.cast(scale, v.dtype)) for p in parts]
     if optimizer.clipvalue and optimizer.clipvalue > 0:
         value = optimizer.clipvalue
-        return [tf.clip_by_value(p, -value, value) for p in parts]
+        return [_map_values(p, lambda v: tf.clip_by_value(v, -value, value)) for p in parts]
     return parts
 
 
 def whole_norms(parts, when=None):
     """Each variable's whole L2 norm, from every replica's `parts` of it."""
-    squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(p, tf.float32))) for p in parts])
+    squares = tf.stack([
+        tf.reduce_sum(tf.square(tf.cast(_values(p), tf.float32))) for p in parts
+    ])
     (squares,) = aggregate([squares], AggregationMethod.SUM, when=when)
     # As `tf.clip_by_norm`: a sum of 0 (or NaN) is its own norm.
     return tf.where(squares > 0, tf.sqrt(tf.where(squares > 0, squares, 1.0)), squares)
 
 
-def _assign_gathered(state, gathered, variables):
+def _values(part):
+    """The values of a part: a tensor, or a `tf.IndexedSlices`' slices."""
+    return part.values if isinstance(part, tf.IndexedSlices) else part
+
+
+def _map_values(part, function):
+    """`function` of `part`'s values, as a part of the same kind."""
+    if isinstance(part, tf.IndexedSlices):
+        return tf.IndexedSlices(function(part.values), part.indices, part.dense_shape)
+    return function(part)
+
+
+def _assign_gathered(state, gathered, variables, indices):
     """Every replica's parts, `all_gather`ed per pack, into `variables`."""
-    for pack, whole_pack in gathered.items():
-        columns = tf.split(
-            tf.reshape(whole_pack, [state.num_replicas, -1]), [state.parts[i] for i in pack], 1
-        )
-        for i, column in zip(pack, columns):
-            whole = tf.reshape(column, [-1])[: state.sizes[i]]
-            variables[i].assign(tf.reshape(whole, variables[i].shape))
+    for pack, whole_pack in gathered:
+        sizes = [state.parts[indices[p]] for p in pack]
+        columns = tf.split(tf.reshape(whole_pack, [state.num_replicas, -1]), sizes, 1)
+        for p, column in zip(pack, columns):
+            whole = tf.reshape(column, [-1])[: state.sizes[indices[p]]]
+            variables[p].assign(tf.reshape(whole, variables[p].shape))
 
 
 def _run_if(when, function):

@@ -128,11 +128,11 @@ class ShardedState:
             for v, part in zip(variables, self.parts)
         ]
         self._index = {id(v): i for i, v in enumerate(variables)}
+        self._dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        self._bytes_per_pack = bytes_per_pack
         # The optimizer's state variables (each of one part's shape), by
         # the index of the trainable variable each belongs to.
         self._state_index = {}
-        sizes = [(tf.as_dtype(v.dtype), part * num_replicas) for v, part in zip(variables, self.parts)]
-        self.packs = packing.plan_packs(sizes, bytes_per_pack)
 
     @classmethod
     def for_optimizer(cls, optimizer, variables, method, compressor):
@@ -157,10 +157,25 @@ class ShardedState:
         for variable, part in zip(variables, self.variables):
             _compat.register_variable_alias(optimizer, part, variable)
 
+    def index_of(self, variable):
+        """The position of trainable `variable` among those built with: what
+        its part, sizes and state are kept by."""
+        return self._index[id(variable)]
+
     def part_of(self, variable):
         """The scratch variable of `variable`'s part, whose shape the
         optimizer's state for `variable` takes."""
-        return self.variables[self._index[id(variable)]]
+        return self.variables[self.index_of(variable)]
+
+    def variables_at(self, indices):
+        """The scratch variables of the parts of the variables at `indices`."""
+        return [self.variables[i] for i in indices]
+
+    def packs(self, indices):
+        """Packs (`tf_agn.packing.plan_packs`) of the variables at
+        `indices`, each a list of positions in `indices`."""
+        sizes = [(self._dtypes[i], self.parts[i] * self.num_replicas) for i in indices]
+        return packing.plan_packs(sizes, self._bytes_per_pack)
 
     def add_state(self, optimizer, variable, name, initializer):
         """A variable of `optimizer`'s state for trainable `variable`, of its
@@ -180,7 +195,7 @@ class ShardedState:
                 name=_compat.reference_variable_name(variable, name),
             )
         _compat.track_variable(optimizer, state)
-        self._state_index[id(state)] = self._index[id(variable)]
+        self._state_index[id(state)] = self.index_of(variable)
         return state
 
     def index_of_state(self, state):
