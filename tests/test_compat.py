@@ -373,6 +373,11 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     "read across modules (tf_agn/communication.py).",
     "optimizer._update_in_place": "tf_agn's own Aggregating method (the Keras class's "
     "update rule in the current context), run by tf_agn/optimizers/sharded_step.py.",
+    "optimizer._decay": "tf_agn's own Aggregating method (Keras's weight decay, which "
+    "a step defers until the gradients are combined), run by sharded_step.py.",
+    "optimizer._combined_finite": "tf_agn's own Aggregating attribute: whether a step's "
+    "combined gradients were finite, set by accumulation.py and sharded_step.py and "
+    "read by `apply_loss_scaled`.",
 }
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")

@@ -185,3 +185,87 @@ def test_stock_keras_optimizer_under_the_same_overflow():
     fit(model, *batch(x, y, 0))
     fit(model, *batch(x, y, OVERFLOW_BATCH))
     assert_all_finite(model)
+
+
+# A float16 sum that overflows on the wire, though every replica's gradient
+# is finite: 2 replicas send 40000 each (float16 holds up to 65504), and
+# the collective transport sums in the wire's dtype.
+def apply_per_replica(strategy, optimizer, variable, gradient):
+    """`optimizer.apply` on every replica with `gradient` as each replica's
+    own (divided by the replicas, as Keras's loss scaling hands it)."""
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.fill(variable.shape, gradient / n)], [variable]))
+
+    step()
+
+
+def copies(strategy, variable):
+    return [v.numpy() for v in strategy.experimental_local_results(variable.value)]
+
+
+@pytest.mark.parametrize("setting", [{}, {"shard_optimizer_state": True}], ids=["plain", "sharded"])
+def test_a_sum_that_overflows_on_the_wire_skips_the_step_on_every_replica(setting):
+    strategy = tf_agn.strategies.mirrored(DEVICES[:2], transport="collective")
+    with strategy.scope():
+        variable = keras.Variable(np.ones(6, np.float32))
+        optimizer = tf_agn.optimizers.SGD(
+            1e-5, aggregation_method="sum", compression="fp16", **setting
+        )
+        optimizer.build([variable])
+    apply_per_replica(strategy, optimizer, variable, 40000.0)
+    assert [c.tolist() for c in copies(strategy, variable)] == [[1.0] * 6] * 2
+    assert int(optimizer.iterations.numpy()) == 0
+    apply_per_replica(strategy, optimizer, variable, 20000.0)  # sums to 40000
+    for copy in copies(strategy, variable):
+        np.testing.assert_allclose(copy, 1.0 - 1e-5 * 40000.0, rtol=1e-6)
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+def loss_scaled_sgd(strategy, variable, **settings):
+    with strategy.scope():
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            tf_agn.optimizers.SGD(1.0, compression="fp16", **settings)
+        )
+        optimizer.build([variable])
+    return optimizer
+
+
+def apply_scaled(strategy, optimizer, variable, gradient):
+    """A step whose true gradient on every replica is `gradient`: Keras's
+    LossScaleOptimizer receives it times its scale."""
+    apply_per_replica(strategy, optimizer, variable, gradient * float(optimizer.dynamic_scale.numpy()))
+
+
+@pytest.mark.parametrize("setting", [{}, {"shard_optimizer_state": True}], ids=["plain", "sharded"])
+def test_under_loss_scaling_an_overflow_on_the_wire_lowers_the_scale(setting):
+    # The gradients travel times the scale, 2^15: 1.5 * 2^15 from each of 2
+    # replicas sums beyond float16's range; at 2^14 it does not.
+    strategy = tf_agn.strategies.mirrored(DEVICES[:2], transport="collective")
+    with strategy.scope():
+        variable = keras.Variable(np.zeros(6, np.float32))
+    optimizer = loss_scaled_sgd(strategy, variable, aggregation_method="sum", **setting)
+    apply_scaled(strategy, optimizer, variable, 1.5)
+    assert [c.tolist() for c in copies(strategy, variable)] == [[0.0] * 6] * 2
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert int(optimizer.iterations.numpy()) == 0
+    apply_scaled(strategy, optimizer, variable, 1.5)
+    for copy in copies(strategy, variable):
+        np.testing.assert_array_equal(copy, np.full(6, -3.0, np.float32))
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+@pytest.mark.parametrize("transport", ["local", "collective"])
+def test_under_loss_scaling_small_gradients_travel_scaled(transport):
+    # 1e-8 is below float16's smallest subnormal (6e-8): sent unscaled it
+    # would arrive as 0; times 2^15 it keeps 10 bits.
+    strategy = tf_agn.strategies.mirrored(DEVICES[:2], transport=transport)
+    with strategy.scope():
+        variable = keras.Variable(np.zeros(6, np.float32))
+    optimizer = loss_scaled_sgd(strategy, variable)
+    apply_scaled(strategy, optimizer, variable, 1e-8)
+    for copy in copies(strategy, variable):
+        np.testing.assert_allclose(copy, np.full(6, -1e-8), rtol=1e-3)

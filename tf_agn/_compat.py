@@ -419,7 +419,9 @@ OVERRIDDEN_PRIVATE_METHODS = {
 # it does.
 _STOCK_LOSS_SCALE_METHODS = {
     name: getattr(keras.optimizers.LossScaleOptimizer, name, None)
-    for name in ("check_finite", "save_own_variables", "load_own_variables")
+    for name in (
+        "check_finite", "_stateful_handle_finite_grads", "save_own_variables", "load_own_variables"
+    )
 }
 
 
@@ -431,7 +433,8 @@ def stock_loss_scale_method(name):
 
 def replace_loss_scale_methods(**methods):
     """Makes every `keras.optimizers.LossScaleOptimizer` use `methods`
-    (by name: `check_finite`, `save_own_variables`, `load_own_variables`).
+    (by name: `check_finite`, `_stateful_handle_finite_grads`,
+    `save_own_variables`, `load_own_variables`).
 
     Raises:
         RuntimeError: if this Keras' class lacks one of them.

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.finite import all_finite
+from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.sharded_step import apply_sharded
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import gradient_scale
@@ -116,7 +117,7 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
             `gradient_accumulation_steps` set.
         grads: this replica's gradients for `variables`.
         variables: the trainable variables.
-        apply_window: `apply_window(grads, variables)` clips, decays and
+        apply_window: `apply_window(grads, variables)` decays, clips and
             updates with the combined window gradient, locally (where the
             optimizer's state is sharded, `apply_sharded` does all).
     """
@@ -145,21 +146,24 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         tf.cond(is_last, reset, accumulate)
         return
     # Sends only on the k-th micro-step (`when`).
+    wire_scale = optimizer.wire_loss_scale()
     combined = aggregate(
-        window,
+        loss_scaled(window, wire_scale),
         optimizer.resolved_aggregation,
         value_scale=gradient_scale() * scale,
         counter=optimizer._communication,
         when=is_last,
         **optimizer.compression_arguments(variables),
     )
+    combined = loss_scaled(combined, wire_scale, inverse=True)
+    # Not finite: some replica's gradient overflowed in some micro-step, or
+    # their sum on the wire; the whole window is skipped. (Under mixed
+    # precision Keras's LossScaleOptimizer already drops a micro-step that
+    # overflows on some replica, see `tf_agn.optimizers.loss_scaling`.)
+    finite = all_finite(combined)
+    optimizer._combined_finite = tf.logical_or(tf.logical_not(is_last), finite)
 
     def apply():
-        # Not finite: some replica's gradient overflowed in some micro-step;
-        # skip the whole window. (Under mixed precision Keras'
-        # LossScaleOptimizer already drops such a micro-step on every
-        # replica, see `tf_agn.optimizers.loss_scaling`.)
-        finite = all_finite(combined)
         tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
         reset()
 

@@ -11,6 +11,8 @@ from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
+from tf_agn.compression import Cast
+from tf_agn.finite import all_finite
 from tf_agn.memory import memory_stats
 from tf_agn.optimizers.accumulation import accumulate_and_apply
 from tf_agn.optimizers.accumulation import add_accumulator
@@ -22,6 +24,8 @@ from tf_agn.optimizers.compression_state import check_gradients
 from tf_agn.optimizers.compression_state import check_sparse_gradients
 from tf_agn.optimizers.compression_state import compression_state_of
 from tf_agn.optimizers.compression_state import declared_sparse
+from tf_agn.optimizers.loss_scaling import loss_scaled
+from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharded_step import apply_sharded
 from tf_agn.optimizers.sharding import ShardedState
@@ -116,7 +120,10 @@ class Aggregating(Communicating):
                 "tf_agn's optimizers do not combine gradient_accumulation_steps "
                 "with use_ema=True yet; use one or the other."
             )
-        self._clipping_deferred = False
+        self._combining = False
+        # Set while a `LossScaleOptimizer` steps (`apply_loss_scaled`).
+        self._loss_scale = None
+        self._combined_finite = None
 
     @property
     def resolved_aggregation(self):
@@ -188,11 +195,12 @@ class Aggregating(Communicating):
         )
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras clips here, before the all-reduce; we clip the combined
-        # gradient in `_apply_combined` instead. A flag, read while the
-        # step is traced, rather than a no-op `_clip_gradients`, so that the
-        # method keeps Keras' contract for other callers.
-        self._clipping_deferred = True
+        # Keras clips and decays here, before the all-reduce; we do both
+        # once the gradients are combined (`_apply_combined`), and only
+        # where they are applied. A flag, read while the step is traced,
+        # rather than no-op hooks, so that the methods keep Keras's
+        # contract for other callers.
+        self._combining = True
         # Keras's `apply` takes any of the built variables, in any order.
         # In the order built, every replica and worker sends the same
         # values in the same order whatever order a call gives, and a call
@@ -200,40 +208,94 @@ class Aggregating(Communicating):
         grads, trainable_variables = in_built_order(self, grads, trainable_variables)
         try:
             if self.gradient_accumulation_steps:
-                accumulate_and_apply(self, grads, trainable_variables, self._apply_window)
+                accumulate_and_apply(self, grads, trainable_variables, self._apply_combined)
             else:
                 super()._backend_apply_gradients(grads, trainable_variables)
         finally:
-            self._clipping_deferred = False
-
-    def _apply_window(self, grads, trainable_variables):
-        _compat.apply_weight_decay(self, trainable_variables)
-        self._apply_combined(grads, trainable_variables, self.learning_rate)
+            self._combining = False
 
     def _clip_gradients(self, grads):
-        if self._clipping_deferred:
-            return grads
-        return super()._clip_gradients(grads)
+        return grads if self._combining else super()._clip_gradients(grads)
+
+    def _apply_weight_decay(self, variables):
+        if not self._combining:
+            super()._apply_weight_decay(variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if self._sharded is not None:
-            # It clips the parts itself, with norms across replicas.
+            # It clips and decays the parts itself, with norms across replicas.
             apply_sharded(self, grads, trainable_variables)
             return
         arguments = self.compression_arguments(trainable_variables)
         check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
+        wire_scale = self.wire_loss_scale()
         grads = aggregate(
-            grads,
+            loss_scaled(grads, wire_scale),
             self.resolved_aggregation,
             value_scale=gradient_scale(),
             counter=self._communication,
             **arguments,
         )
-        self._apply_combined(grads, trainable_variables, learning_rate)
+        grads = loss_scaled(grads, wire_scale, inverse=True)
+        finite = all_finite(grads) if self.checks_combined_finite() else None
+        self._apply_combined(grads, trainable_variables, learning_rate, finite)
 
-    def _apply_combined(self, grads, trainable_variables, learning_rate):
-        grads = _compat.clip_gradients_in_place(self, grads)
-        self._update_in_place(grads, trainable_variables, learning_rate)
+    def _apply_combined(self, grads, trainable_variables, learning_rate=None, finite=None):
+        """Decays, clips and updates with the replicas' combined `grads`.
+
+        Where `finite` (a scalar boolean tensor, the same on every replica)
+        is false, nothing changes and the step is not counted, as Keras's
+        `LossScaleOptimizer` skips a step with a non-finite gradient.
+        """
+        learning_rate = self.learning_rate if learning_rate is None else learning_rate
+
+        def apply():
+            self._decay(trainable_variables)
+            clipped = _compat.clip_gradients_in_place(self, grads)
+            self._update_in_place(clipped, trainable_variables, learning_rate)
+
+        if finite is None:
+            apply()
+            return
+        self._combined_finite = finite
+        tf.cond(finite, apply, lambda: None)
+        not_counted(self, finite)
+
+    def _decay(self, variables):
+        # Keras's own weight decay, which `_apply_weight_decay` defers.
+        super()._apply_weight_decay(variables)
+
+    def checks_combined_finite(self):
+        """Whether a step tests the replicas' combined gradients for inf and
+        NaN and skips itself where they are not finite: where they travel
+        in a narrower float (a cast can overflow on the wire) or under
+        Keras's `LossScaleOptimizer` (`tf_agn.optimizers.loss_scaling`)."""
+        return self._loss_scale is not None or isinstance(self.resolved_compression, Cast)
+
+    def wire_loss_scale(self):
+        """The loss scale the gradients travel multiplied by: under
+        `LossScaleOptimizer`, with a cast, its scale (so that small
+        gradients keep their bits in float16, as PyTorch's fp16 hook sends
+        them); else None."""
+        if isinstance(self.resolved_compression, Cast):
+            return self._loss_scale
+        return None
+
+    def apply_loss_scaled(self, apply, loss_scale):
+        """Runs `apply()`, a `LossScaleOptimizer`'s step of this optimizer,
+        in replica context, under `loss_scale`.
+
+        Returns:
+            A scalar boolean tensor, the same on every replica: whether the
+            replicas' combined gradients were finite (else the step was
+            skipped, and the scale is to be lowered).
+        """
+        self._loss_scale, self._combined_finite = loss_scale, tf.constant(True)
+        try:
+            apply()
+            return self._combined_finite
+        finally:
+            self._loss_scale = None
 
     def _update_in_place(self, grads, trainable_variables, learning_rate):
         # Through the Keras class's own `_backend_update_step`, if it has

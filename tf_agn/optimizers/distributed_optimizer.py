@@ -137,6 +137,10 @@ class DistributedOptimizer(WrappingOptimizer):
         """See `tf_agn.optimizers.Aggregating.all_replicas_finite`."""
         return self.inner_optimizer.all_replicas_finite(grads)
 
+    def apply_loss_scaled(self, apply, loss_scale):
+        """See `tf_agn.optimizers.Aggregating.apply_loss_scaled`."""
+        return self.inner_optimizer.apply_loss_scaled(apply, loss_scale)
+
     def get_config(self):
         inner = self.inner_optimizer
         method = inner.aggregation_method

@@ -11,6 +11,8 @@ from tf_agn.compression import acting_on
 from tf_agn.compression import is_stateful
 from tf_agn.finite import all_finite
 from tf_agn.optimizers.compression_state import check_gradients
+from tf_agn.optimizers.loss_scaling import loss_scaled
+from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import all_to_all
@@ -30,10 +32,11 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         value_scale: a Python number the gradients are multiplied by first
             (1/k for the mean of a window of k).
         when: None, or a scalar boolean tensor, the same on every replica:
-            a window's end. Then nothing travels or changes elsewhere, a
-            window that is not finite on some replica is skipped on all,
-            and weight decay is applied to the parts (without a window,
-            Keras has decayed the whole weights before).
+            a window's end. Then nothing travels or changes elsewhere.
+
+    A window, or a step whose gradients travel cast or under a
+    `LossScaleOptimizer`, that is not finite on some replica is skipped on
+    all (`Aggregating.checks_combined_finite`).
     """
     state = optimizer.sharded_state
     # Everything kept beside Keras's state is found by the variable's
@@ -44,6 +47,8 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     check_gradients(grads, variables, arguments["state"], optimizer.sparse_gradients)
     quantized = is_stateful(arguments["compressor"])  # int8; PowerSGD is refused
     residuals = [s.get("residual") if quantized else None for s in arguments["state"]]
+    wire_scale = optimizer.wire_loss_scale()
+    grads = loss_scaled(grads, wire_scale)
     combined = [None] * len(grads)
     dense = []
     for position, grad in enumerate(grads):
@@ -76,24 +81,29 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         if error is not None:
             new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
     optimizer._communication.record(payload, when)
-    combined = clipped(optimizer, combined, when)
-    if when is not None:
+    combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when)
+    if when is not None or optimizer.checks_combined_finite():
         # Whether any replica's part is not finite, agreed by all.
         (non_finite,) = aggregate(
             [tf.cast(tf.logical_not(all_finite(combined)), tf.float32)],
             AggregationMethod.SUM, when=when,
         )
-        when = tf.logical_and(when, tf.equal(non_finite, 0.0))
+        finite = tf.equal(non_finite, 0.0)
+        optimizer._combined_finite = finite if when is None else tf.logical_or(
+            tf.logical_not(when), finite
+        )
+        if when is None:
+            not_counted(optimizer, finite)
+        when = finite if when is None else tf.logical_and(when, finite)
     parts = state.variables_at(indices)
 
     def step():
         for variable, part, index in zip(variables, parts, indices):
             part.assign(tf.gather(state.rows(variable, index), rank))
-        if when is not None:
-            _compat.apply_weight_decay(optimizer, [
-                part for part, variable in zip(parts, variables)
-                if _compat.uses_weight_decay(optimizer, variable)
-            ])
+        optimizer._decay([
+            part for part, variable in zip(parts, variables)
+            if _compat.uses_weight_decay(optimizer, variable)
+        ])
         optimizer._update_in_place(combined, parts, optimizer.learning_rate)
         for p, error in new_residuals.items():
             whole = tf.reshape(error, [-1])[: state.sizes[indices[p]]]
