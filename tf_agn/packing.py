@@ -133,19 +133,33 @@ def _flatten(tensors, scale=1, compressor=None):
     """Concatenates `scale * tensors`, compressed, into one flat buffer."""
     pieces = []
     for tensor in tensors:
-        dtype = tensor.dtype
-        # Scaled in `accumulation_dtype` before compression, so that a MEAN's
-        # 1/n shrinks float32 values before they are compressed to float16,
-        # not after they may have overflowed.
-        if scale != 1:
-            wide = accumulation_dtype(dtype)
-            tensor = tf.cast(tensor, wide) * tf.constant(scale, wide)
-        if compressor is None:
-            tensor = tf.cast(tensor, dtype)
-        else:
-            tensor = compressor.compress(tf.cast(tensor, dtype))
+        tensor = scaled(tensor, scale)
+        if compressor is not None:
+            tensor = compressor.compress(tensor)
         pieces.append(tf.reshape(tensor, [-1]))
     return tf.concat(pieces, 0)
+
+
+def scaled(tensor, scale):
+    """`tensor` times a Python number, multiplied in `accumulation_dtype`
+    and returned in `tensor`'s dtype: how every path weights a value
+    before it compresses it.
+
+    Args:
+        tensor: a tensor.
+        scale: a Python number.
+
+    Returns:
+        A tensor of `tensor`'s dtype and shape.
+    """
+    # Scaled before compression, so that a MEAN's 1/n or a window's 1/k
+    # shrinks float32 values before they are cast to float16, not after
+    # they may have overflowed, and the scale itself is not rounded to the
+    # wire dtype.
+    if scale == 1:
+        return tensor
+    wide = accumulation_dtype(tensor.dtype)
+    return tf.cast(tf.cast(tensor, wide) * tf.constant(scale, wide), tensor.dtype)
 
 
 def _unflatten(flat, shapes, dtype, compressor=None):

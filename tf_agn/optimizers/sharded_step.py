@@ -5,6 +5,7 @@ gradients, clip and update this replica's parts, all-gather the weights
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import method_scale
 from tf_agn.compression import acting_on
@@ -167,17 +168,20 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     """
     compressor, method = arguments["compressor"], optimizer.resolved_aggregation
     scale = gradient_scale() * value_scale
-    exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
-    if not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
-        cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
-        wire = joined if cast is None else cast.compress(joined)
-        (summed,) = reduce_scatter([wire], method, scale, when)
-        part = summed if cast is None else cast.decompress(summed, joined.dtype)
-        return part, None, joined.shape.num_elements() * wire.dtype.size // 2
-    # Int8: rows quantized with this replica's weight and residual, sent by
-    # an all-to-all, summed in float32 by the part's owner.
     num_replicas, length = joined.shape
-    weighted = joined * method_scale(method, joined.dtype, num_replicas, scale)
+    exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
+    cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
+    if cast is None and not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
+        (part,) = reduce_scatter([joined], method, scale, when)
+        return part, None, exact_bytes
+    # Compressed rows travel weighted in float32, as on every path.
+    weighted = packing.scaled(joined, method_scale(method, joined.dtype, num_replicas, scale))
+    if cast is not None:
+        (summed,) = reduce_scatter([cast.compress(weighted)], AggregationMethod.SUM, when=when)
+        sent = joined.shape.num_elements() * cast.wire_dtype(joined.dtype).size // 2
+        return cast.decompress(summed, joined.dtype), None, sent
+    # Int8: rows quantized with this replica's residual, sent by an
+    # all-to-all, summed in float32 by the part's owner.
     wire, error = compressor.encode_rows(weighted, residual)
     sent = compressor.rows_layout(num_replicas, length).wire_bytes // 2
     if not compressor.start_step:

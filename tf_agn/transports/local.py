@@ -47,9 +47,9 @@ class LocalTransport:
     def all_reduce(self, packs, weights=None, cast=None):
         """Every replica's pack, weighted and summed, tensor by tensor; see
         `tf_agn.transports.CollectiveTransport.all_reduce`. The replicas
-        that add something share one weight, applied after the sum, which
-        is taken in at least float32 (compressed values are decompressed
-        first)."""
+        that add something share one weight, applied before a cast and
+        otherwise after the sum, which is taken in at least float32
+        (compressed values are decompressed first)."""
         weights = weights or [1] * len(packs)
         replicas = [r for r, weight in enumerate(weights) if weight != 0]
         scale = weights[replicas[0]]
@@ -58,9 +58,13 @@ class LocalTransport:
         like = packs[0]
         dtype = like[0].dtype
         flatten = self._flatten(like)
-        parts = [self._send(packs[r], self.devices[r], flatten, cast) for r in replicas]
+        # A cast travels weighted, as on every transport: multiplied in
+        # float32 before it is cast (`packing.scaled`). Uncompressed values
+        # are weighted after their sum.
+        sent, summed = (1, scale) if cast is None else (scale, 1)
+        parts = [self._send(packs[r], self.devices[r], flatten, cast, sent) for r in replicas]
         with tf.device(device):
-            reduced = packing.combine_fn(self._jit(device))(parts, scale, dtype, cast)
+            reduced = packing.combine_fn(self._jit(device))(parts, summed, dtype, cast)
         if not flatten:
             return [[placement.on(d, t) for t in reduced] for d in self.devices]
         # The one buffer travels; each replica splits its own copy, so every
@@ -129,9 +133,9 @@ class LocalTransport:
             )
         return [placement.on(device, gathered) for device in self.devices]
 
-    def _send(self, tensors, device, flatten, cast):
-        """One replica's part of a pack, ready for the trip: compressed and,
-        where that saves work, flattened into one buffer."""
+    def _send(self, tensors, device, flatten, cast, weight):
+        """One replica's part of a pack, ready for the trip: weighted,
+        compressed and, where that saves work, flattened into one buffer."""
         with tf.device(device):
             # A variable (a sync-on-read variable's component) is read here,
             # on its own device: the compiled sum on the reduce device cannot
@@ -140,8 +144,8 @@ class LocalTransport:
             if not flatten:
                 if cast is None:
                     return tensors
-                return [cast.compress(t) for t in tensors]
-            return [packing.flatten(tensors, compressor=cast, jit_compile=self._jit(device))]
+                return [cast.compress(packing.scaled(t, weight)) for t in tensors]
+            return [packing.flatten(tensors, weight, cast, jit_compile=self._jit(device))]
 
     def _flatten(self, tensors):
         """Whether to flatten a pack of `tensors`."""
