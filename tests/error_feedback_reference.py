@@ -21,10 +21,9 @@ def quantize_roundtrip(flat, chunk_size):
     """What int8 with one scale per chunk makes of `flat` (float32, a
     multiple of `chunk_size` long)."""
     chunks = flat.reshape(-1, chunk_size)
-    scales = (np.abs(chunks).max(axis=1) / LEVELS).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(scales[:, None] > 0, chunks / scales[:, None], 0)
-    codes = np.clip(np.round(codes), -LEVELS, LEVELS)
+    # Steps below the smallest normal float32 would be flushed to zero.
+    scales = np.maximum(np.abs(chunks).max(axis=1) / LEVELS, np.finfo(np.float32).tiny)
+    codes = np.clip(np.round(chunks / scales[:, None]), -LEVELS, LEVELS)
     return (codes * scales[:, None]).astype(np.float32).reshape(-1)
 
 

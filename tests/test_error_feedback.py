@@ -143,6 +143,25 @@ def test_a_non_finite_element_makes_its_chunk_non_finite():
     np.testing.assert_array_equal(restored[1], 1)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_int8_codes_stay_within_127_and_one_step_of_tiny_and_extreme_values(traced):
+    # Chunks whose largest magnitude is subnormal, or whose step m/127 is
+    # (TensorFlow flushes subnormals to zero on CPUs), and whose step is
+    # exact (127) or near float32's largest value.
+    tiny = np.finfo(np.float32).tiny
+    peaks = np.array([1e-40, 1e-37, tiny * 127 * 0.99, 127.0, 3e38], np.float32)
+    chunks = peaks[:, None] * np.linspace(-1, 1, 9, dtype=np.float32)
+    quantize = tf.function(int8.quantize, jit_compile=True) if traced else int8.quantize
+    codes, scales = quantize(tf.constant(chunks))
+    codes, scales = codes.numpy().astype(np.int32), scales.numpy()
+    assert np.all(np.abs(codes) <= 127)
+    restored = int8.dequantize(tf.constant(codes, tf.int8), tf.constant(scales)).numpy()
+    # A step no larger than the chunk's m/127 or the smallest normal float.
+    assert np.all(scales <= np.maximum(peaks / 127, tiny) * (1 + 1e-6))
+    assert np.all(np.abs(restored - chunks) <= scales[:, None])
+    np.testing.assert_array_equal(codes[3], np.round(np.linspace(-127, 127, 9)))
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("method", ["sum", "mean"])

@@ -257,7 +257,8 @@ def _plan(sizes, parts, chunk_size, bytes_per_pack):
 
 
 def quantize(chunks):
-    """Symmetric int8 codes and float32 scales of `chunks` ([n, chunk]).
+    """Symmetric int8 codes (within ±127) and float32 scales of `chunks`
+    ([n, chunk]); a scale is at least the smallest normal float32.
 
     A chunk with a non-finite element gets a NaN scale (and zero codes):
     a maximum may skip NaN, and a NaN cast to int8 is undefined, so without
@@ -269,10 +270,14 @@ def quantize(chunks):
         tf.where(tf.math.is_finite(chunks), tf.abs(chunks), float("inf")), axis=1
     )
     finite = tf.math.is_finite(magnitudes)
-    scales = tf.where(finite, magnitudes / _LEVELS, float("nan"))
-    codes = tf.round(tf.math.divide_no_nan(chunks, scales[:, None]))
-    codes = tf.where(finite[:, None], codes, 0.0)
-    return tf.cast(codes, tf.int8), scales
+    # TensorFlow flushes subnormal floats to zero on CPUs: a step below the
+    # smallest normal float would be 0, and its chunk's values lost.
+    steps = tf.maximum(magnitudes / _LEVELS, np.finfo(np.float32).tiny)
+    scales = tf.where(finite, steps, float("nan"))
+    codes = tf.where(finite[:, None], tf.round(chunks / scales[:, None]), 0.0)
+    # The cast to int8 wraps what exceeds it (a subnormal step, where
+    # subnormals are kept, can give 128).
+    return tf.cast(tf.clip_by_value(codes, -_LEVELS, _LEVELS), tf.int8), scales
 
 
 def dequantize(codes, scales):
