@@ -163,11 +163,15 @@ def test_bytes_sent_scale_as_one_over_local_steps():
         stats[local_steps] = model.optimizer.communication_stats()
     num_elements = 3 * 2 + 2
     assert stats[1] == {
-        "all_reduce_calls": 12, "bytes_sent": 12 * num_elements * 4,
+        "all_reduce_calls": 12,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
+        "bytes_sent": 12 * num_elements * 4,
         "bytes_received": 12 * num_elements * 4,
     }
     assert stats[4] == {
-        "all_reduce_calls": 3, "bytes_sent": 3 * num_elements * 4,
+        "all_reduce_calls": 3,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
+        "bytes_sent": 3 * num_elements * 4,
         "bytes_received": 3 * num_elements * 4,
     }
 

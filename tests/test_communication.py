@@ -14,6 +14,7 @@ import tf_agn
 from compression_model import build as build_model
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
+from overflow import mixed_float16
 from tf_agn import compression
 from tf_agn.communication import payload_bytes
 from tf_agn.aggregation import AggregationMethod
@@ -63,12 +64,14 @@ def test_float32_is_counted_before_start_step_then_what_compression_sends(
         np.testing.assert_allclose(got, want, atol=1e-6)
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 2,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
         "bytes_sent": 2 * FLOAT32_BYTES,
         "bytes_received": 2 * FLOAT32_BYTES,
     }
     fit_steps(model, 3)  # steps 2, 3 and 4: the last two compressed
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 5,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
         "bytes_sent": 3 * FLOAT32_BYTES + 2 * compressed_bytes,
         "bytes_received": 3 * FLOAT32_BYTES + 2 * compressed_bytes,
     }
@@ -82,9 +85,76 @@ def test_start_step_counts_applied_steps_under_accumulation():
     fit_steps(model, 4)
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": 2,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
         "bytes_sent": FLOAT32_BYTES + 2048 + 4 * 4,
         "bytes_received": FLOAT32_BYTES + 2048 + 4 * 4,
     }
+
+
+# Sharded state pads each variable to a multiple of the replicas: the
+# 3-element bias to 4. A reduce-scatter and an all-gather each count half
+# of an all-reduce's payload. Int8's one pack of rows: 4 rows of the 385
+# elements of each part, each padded to one chunk of 512, and 4 scales.
+SHARDED_HALF = 4 * (20 * 64 + 64 + 64 * 3 + 4) // 2
+INT8_ROWS_HALF = (4 * 512 + 4 * 4) // 2
+STEPS = 3
+
+
+def per_step(steps, bytes_sent, all_reduce=0, reduce_scatter=0, all_gather=0, all_to_all=0):
+    """The stats of `steps` steps that each run these collectives."""
+    return {
+        "all_reduce_calls": steps * all_reduce,
+        "reduce_scatter_calls": steps * reduce_scatter,
+        "all_gather_calls": steps * all_gather,
+        "all_to_all_calls": steps * all_to_all,
+        "bytes_sent": steps * bytes_sent,
+        "bytes_received": steps * bytes_sent,
+    }
+
+
+@pytest.mark.parametrize(
+    "settings, counts",
+    [
+        ({}, {"all_reduce": 1, "bytes_sent": FLOAT32_BYTES}),
+        (
+            {"shard_optimizer_state": True},
+            {"reduce_scatter": 1, "all_gather": 1, "bytes_sent": 2 * SHARDED_HALF},
+        ),
+        (
+            {"shard_optimizer_state": True, "compression": "int8"},
+            {"all_to_all": 1, "all_gather": 1, "bytes_sent": INT8_ROWS_HALF + SHARDED_HALF},
+        ),
+        # The norms of the 4 variables: one all-reduce of 4 float32.
+        (
+            {"shard_optimizer_state": True, "clipnorm": 1.0},
+            {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1,
+             "bytes_sent": 2 * SHARDED_HALF + 4 * 4},
+        ),
+    ],
+    ids=["plain", "sharded", "int8_sharded", "clipnorm_sharded"],
+)
+def test_every_collective_is_counted_under_its_pattern(settings, counts):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    model = build_model(strategy, lambda: tf_agn.optimizers.SGD(0.1, **settings))
+    fit_steps(model, STEPS)
+    assert model.optimizer.communication_stats() == per_step(STEPS, **counts)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_mixed_precisions_finite_agreement_is_one_all_reduce_of_a_float(sharded):
+    strategy = tf_agn.strategies.mirrored(devices=DEVICES)
+    with mixed_float16():
+        model = build_model(
+            strategy, lambda: tf_agn.optimizers.SGD(0.1, shard_optimizer_state=sharded)
+        )
+    fit_steps(model, STEPS)
+    gradients = (
+        {"reduce_scatter": 1, "all_gather": 1, "bytes_sent": 2 * SHARDED_HALF}
+        if sharded else {"all_reduce": 1, "bytes_sent": FLOAT32_BYTES}
+    )
+    gradients["all_reduce"] = gradients.get("all_reduce", 0) + 1
+    gradients["bytes_sent"] += 4
+    assert model.optimizer.inner_optimizer.communication_stats() == per_step(STEPS, **gradients)
 
 
 class RecordingTransport(LocalTransport):

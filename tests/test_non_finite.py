@@ -163,6 +163,7 @@ def test_the_agreement_is_one_float_per_step_and_counted():
     gradient_bytes = 4 * sum(p.size for p in initial_params())
     assert model.optimizer.inner_optimizer.communication_stats() == {
         "all_reduce_calls": 2 * 2,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
         "bytes_sent": 2 * (gradient_bytes + 4),
         "bytes_received": 2 * (gradient_bytes + 4),
     }

@@ -340,6 +340,7 @@ def test_communication_stats(method, compression, calls, bytes_per_element):
     num_elements = sum(p.size for p in initial_params())
     assert model.optimizer.communication_stats() == {
         "all_reduce_calls": calls,
+        "reduce_scatter_calls": 0, "all_gather_calls": 0, "all_to_all_calls": 0,
         "bytes_sent": calls * num_elements * bytes_per_element,
         "bytes_received": calls * num_elements * bytes_per_element,
     }

@@ -332,9 +332,15 @@ def test_int8_trains_as_uncompressed_and_starts_at_its_start_step(accumulation):
     padded = [-(-sum(-(-sizes[i] // N) for i in pack) // 512) * 512
               for pack in model.optimizer.inner_optimizer.sharded_state.packs(range(len(sizes)))]
     int8 = sum(N * p + 4 * N * p // 512 for p in padded) // 2 + 2 * elements
+    # A window of micro-steps ends with one all-reduce of a float32: whether
+    # every replica's part is finite.
+    agreements = windows if accumulation else 0
     stats = model.optimizer.communication_stats()
-    assert stats["bytes_sent"] == float32 * 4 * elements + (windows - float32) * int8
-    assert stats["all_reduce_calls"] == windows
+    assert stats["bytes_sent"] == float32 * 4 * elements + (windows - float32) * int8 + 4 * agreements
+    assert stats["reduce_scatter_calls"] == float32
+    assert stats["all_to_all_calls"] == windows - float32
+    assert stats["all_gather_calls"] == windows
+    assert stats["all_reduce_calls"] == agreements
 
 
 def test_compression_and_stock_strategies_are_refused_by_name():
@@ -484,7 +490,11 @@ def test_accumulation_reduce_scatters_each_window_once(reduction):
     sharded = train(strategy, make, True, accumulation_reduction=reduction)
     plain = train(strategy, make, False, accumulation_reduction=reduction)
     assert_same_training(sharded, plain)
-    assert sharded[0].optimizer.communication_stats()["all_reduce_calls"] == STEPS // 3
+    stats = sharded[0].optimizer.communication_stats()
+    windows = STEPS // 3
+    assert stats["reduce_scatter_calls"] == stats["all_gather_calls"] == windows
+    # Each window's global norm and its finite agreement.
+    assert stats["all_reduce_calls"] == 2 * windows
 
 
 def test_memory_stats_count_a_quarter_of_adams_moments():

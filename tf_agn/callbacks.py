@@ -54,8 +54,8 @@ class EvaluateAtCenter(keras.callbacks.Callback):
 
 
 class CommunicationLogger(keras.callbacks.Callback):
-    """Adds `all_reduce_calls`, `bytes_sent` and `bytes_received` to the
-    epoch logs.
+    """Adds the optimizer's `communication_stats()` (its collectives per
+    pattern, `bytes_sent` and `bytes_received`) to the epoch logs.
 
     Put it before `TensorBoard`, `CSVLogger` or `History` readers in the
     callback list, so that they see the numbers.

@@ -6,21 +6,30 @@ import tensorflow as tf
 from tf_agn.compression import is_stateful
 
 
-class CommunicationCounter:
-    """Counts an optimizer's aggregations and the bytes one replica sends
-    and receives in them.
+# The collective patterns a counter counts, each under "<pattern>_calls".
+PATTERNS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
-    An aggregation (SUM, MEAN or ONLY_FIRST_REPLICA) counts as one call.
-    `bytes_sent` counts its payload (`payload_bytes`): the bytes of one
-    replica's values as they travel, as a compressor shrinks them (2 bytes
-    per float32 for "fp16" and "bf16"; for "int8" a byte per element and a
-    float32 scale per chunk, its packs padded to whole chunks for every
-    replica; (rows + cols) * rank floats per matrix for PowerSGD; float32
-    before a compressor's `start_step`). A ring all-reduce, or int8's
-    all-to-all and all-gather, moves about twice the payload in and out of
-    each replica (`tf_agn.transports.traffic`); the payload is what
-    compression changes. `bytes_received` counts the same payload, but
-    (n - 1) payloads where a strategy without tf_agn's ops all-gathers
+
+class CommunicationCounter:
+    """Counts an optimizer's collectives, per pattern, and the bytes one
+    replica sends and receives in them.
+
+    Every aggregation (SUM, MEAN or ONLY_FIRST_REPLICA; the finite
+    agreements and the clip norms of sharded state too) counts as one
+    all-reduce, however its compressor builds it. Sharded state
+    (`shard_optimizer_state=True`) counts, per step, one reduce-scatter of
+    the gradients (an all-to-all for int8) and one all-gather of the
+    weights. `bytes_sent` counts the payload (`payload_bytes`): the bytes
+    of one replica's values as they travel, as a compressor shrinks them
+    (2 bytes per float32 for "fp16" and "bf16"; for "int8" a byte per
+    element and a float32 scale per chunk, its packs padded to whole chunks
+    for every replica; (rows + cols) * rank floats per matrix for PowerSGD;
+    float32 before a compressor's `start_step`), and half of it for a
+    reduce-scatter or an all-gather of sharded state. A ring all-reduce,
+    or int8's all-to-all and all-gather, moves about twice the payload in
+    and out of each replica (`tf_agn.transports.traffic`); the payload is
+    what compression changes. `bytes_received` counts the same payload,
+    but (n - 1) payloads where a strategy without tf_agn's ops all-gathers
     what int8 reduces. NONE sends nothing and is not counted.
 
     The counts are variables of the counter, not of the optimizer: an
@@ -29,41 +38,41 @@ class CommunicationCounter:
     optimizer is built (after loading too).
 
     Args:
-        optimizer: the Keras optimizer whose aggregations are counted.
+        optimizer: the Keras optimizer whose collectives are counted.
     """
 
     def __init__(self, optimizer):
+        names = [f"{pattern}_calls" for pattern in PATTERNS] + ["bytes_sent", "bytes_received"]
         with keras.name_scope(optimizer.name, caller=optimizer):
-            self.calls, self.bytes, self.received = (
-                keras.Variable(
+            self.counts = {
+                name: keras.Variable(
                     0, dtype="int64", trainable=False, aggregation="none", name=name
                 )
-                for name in ("all_reduce_calls", "bytes_sent", "bytes_received")
-            )
+                for name in names
+            }
 
-    def record(self, payload, when=None, received=None):
-        """Adds one aggregation.
+    def record(self, pattern, payload, when=None, received=None):
+        """Adds one collective.
 
         Args:
+            pattern: "all_reduce", "reduce_scatter", "all_gather" or
+                "all_to_all".
             payload: the bytes this replica sent, an int or a scalar
                 integer tensor (`payload_bytes`).
             when: None, or a scalar boolean tensor: count only where true.
             received: the bytes it received; by default `payload`.
         """
         times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
-        self.calls.assign_add(times)
-        self.bytes.assign_add(tf.cast(payload, tf.int64) * times)
+        self.counts[f"{pattern}_calls"].assign_add(times)
+        self.counts["bytes_sent"].assign_add(tf.cast(payload, tf.int64) * times)
         received = payload if received is None else received
-        self.received.assign_add(tf.cast(received, tf.int64) * times)
+        self.counts["bytes_received"].assign_add(tf.cast(received, tf.int64) * times)
 
     def result(self):
-        """Returns `{"all_reduce_calls": int, "bytes_sent": int,
-        "bytes_received": int}`."""
-        return {
-            "all_reduce_calls": int(self.calls.numpy()),
-            "bytes_sent": int(self.bytes.numpy()),
-            "bytes_received": int(self.received.numpy()),
-        }
+        """Returns `{"all_reduce_calls": int, "reduce_scatter_calls": int,
+        "all_gather_calls": int, "all_to_all_calls": int, "bytes_sent":
+        int, "bytes_received": int}`."""
+        return {name: int(count.numpy()) for name, count in self.counts.items()}
 
 
 def payload_bytes(
@@ -147,8 +156,9 @@ def communication_stats(optimizer):
     """`optimizer`'s counts, or zeros before it is built.
 
     Returns:
-        `{"all_reduce_calls": int, "bytes_sent": int, "bytes_received": int}`.
+        `CommunicationCounter.result()`'s dict.
     """
     if not optimizer.built:
-        return {"all_reduce_calls": 0, "bytes_sent": 0, "bytes_received": 0}
+        names = [f"{pattern}_calls" for pattern in PATTERNS] + ["bytes_sent", "bytes_received"]
+        return dict.fromkeys(names, 0)
     return optimizer._communication.result()

@@ -119,7 +119,7 @@ def aggregate(
                 payload_bytes, tensors, compressor, step, context.num_replicas_in_sync,
                 (ops or transport).bytes_per_pack,
             )
-            counter.record(count(), when, count(gathered=ops is None))
+            counter.record("all_reduce", count(), when, count(gathered=ops is None))
         if ops is None:
             _warn_if_gathering_costs_more(context, compressor, tensors, transport)
         variables = None

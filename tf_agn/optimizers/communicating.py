@@ -31,8 +31,10 @@ class Communicating:
         counts it.
 
         Returns:
-            `{"all_reduce_calls": int, "bytes_sent": int, "bytes_received":
-            int}`, zeros before it is built.
+            `{"all_reduce_calls": int, "reduce_scatter_calls": int,
+            "all_gather_calls": int, "all_to_all_calls": int,
+            "bytes_sent": int, "bytes_received": int}`, zeros before it
+            is built.
         """
         return communication_stats(self)
 

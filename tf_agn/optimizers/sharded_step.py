@@ -60,12 +60,13 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         else:
             dense.append(position)
     rows = {p: state.rows(grads[p], indices[p]) for p in dense}
-    # The all-gather of the weights moves half an all-reduce's volume, in
-    # their own dtype; `_reduce_scatter` counts the other half.
-    payload = sum(
+    # {pattern: [bytes, condition]} of this step's collectives. The
+    # all-gather of the weights moves half an all-reduce's volume, in their
+    # own dtype; `_reduce_scatter` gives the other half's.
+    traffic = {"all_gather": [sum(
         state.parts[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
         for i, v in zip(indices, variables)
-    )
+    ), None]}
     new_residuals = {}
     for pack in _packs(state, indices, dense):
         joined = tf.concat([rows[p] for p in pack], 1)
@@ -75,19 +76,21 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         summed, error, sent = _reduce_scatter(
             optimizer, arguments, joined, residual, value_scale, when
         )
-        payload += sent
+        for pattern, (nbytes, condition) in sent.items():
+            traffic.setdefault(pattern, [0, condition])[0] += nbytes
         sizes = [state.parts[indices[p]] for p in pack]
         for p, part in zip(pack, tf.split(summed, sizes)):
             combined[p] = part
         if error is not None:
             new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
-    optimizer._communication.record(payload, when)
+    for pattern, (nbytes, condition) in traffic.items():
+        optimizer._communication.record(pattern, nbytes, _both(when, condition))
     combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when)
     if when is not None or optimizer.checks_combined_finite():
         # Whether any replica's part is not finite, agreed by all.
         (non_finite,) = aggregate(
             [tf.cast(tf.logical_not(all_finite(combined)), tf.float32)],
-            AggregationMethod.SUM, when=when,
+            AggregationMethod.SUM, counter=optimizer._communication, when=when,
         )
         finite = tf.equal(non_finite, 0.0)
         optimizer._combined_finite = finite if when is None else tf.logical_or(
@@ -163,8 +166,9 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
 
     Returns:
         `(part, error, sent)`: the part [length]; the new residual rows
-        (int8's error feedback; else None); the bytes this replica sends,
-        counted as half an all-reduce's payload.
+        (int8's error feedback; else None); `{pattern: (bytes, condition)}`
+        of the collectives it ran where `condition` (None: always) holds,
+        with the bytes this replica sends, half an all-reduce's payload.
     """
     compressor, method = arguments["compressor"], optimizer.resolved_aggregation
     scale = gradient_scale() * value_scale
@@ -173,20 +177,20 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
     if cast is None and not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
         (part,) = reduce_scatter([joined], method, scale, when)
-        return part, None, exact_bytes
+        return part, None, {"reduce_scatter": (exact_bytes, None)}
     # Compressed rows travel weighted in float32, as on every path.
     weighted = packing.scaled(joined, method_scale(method, joined.dtype, num_replicas, scale))
     if cast is not None:
         (summed,) = reduce_scatter([cast.compress(weighted)], AggregationMethod.SUM, when=when)
         sent = joined.shape.num_elements() * cast.wire_dtype(joined.dtype).size // 2
-        return cast.decompress(summed, joined.dtype), None, sent
+        return cast.decompress(summed, joined.dtype), None, {"reduce_scatter": (sent, None)}
     # Int8: rows quantized with this replica's residual, sent by an
     # all-to-all, summed in float32 by the part's owner.
     wire, error = compressor.encode_rows(weighted, residual)
     sent = compressor.rows_layout(num_replicas, length).wire_bytes // 2
     if not compressor.start_step:
         (received,) = all_to_all([wire], when)
-        return compressor.sum_rows(received, length), error, sent
+        return compressor.sum_rows(received, length), error, {"all_to_all": (sent, None)}
     # Before `start_step` the rows travel exactly and the residual waits;
     # each pattern runs only where its condition holds.
     compressing = tf.greater_equal(arguments["step"], compressor.start_step)
@@ -196,11 +200,16 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     part = tf.where(compressing, compressor.sum_rows(received, length), exact)
     if error is not None:
         error = tf.where(compressing, error, residual)
-    return part, error, tf.where(compressing, tf.constant(sent, tf.int64), exact_bytes)
+    return part, error, {
+        "reduce_scatter": (exact_bytes, exactly), "all_to_all": (sent, compressing)
+    }
 
 
 def _both(when, condition):
-    return condition if when is None else tf.logical_and(when, condition)
+    """Where both hold; either may be None (always)."""
+    if when is None or condition is None:
+        return condition if when is None else when
+    return tf.logical_and(when, condition)
 
 
 def clipped(optimizer, parts, when=None):
@@ -209,15 +218,16 @@ def clipped(optimizer, parts, when=None):
     # Keras's and TensorFlow's formulas (`clip_by_global_norm`,
     # `tf.clip_by_norm`), on norms that one all-reduce of each part's sum of
     # squares completes.
+    counter = optimizer._communication
     if optimizer.clipnorm and optimizer.clipnorm > 0:
-        norms = whole_norms(parts, when)
+        norms = whole_norms(parts, when, counter)
         return [
             _map_values(p, lambda v, n=n: v * optimizer.clipnorm / tf.maximum(
                 tf.cast(n, v.dtype), optimizer.clipnorm))
             for p, n in zip(parts, tf.unstack(norms))
         ]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-        norm = tf.norm(whole_norms(parts, when))
+        norm = tf.norm(whole_norms(parts, when, counter))
         clip = optimizer.global_clipnorm
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
         return [_map_values(p, lambda v: v * tf.cast(scale, v.dtype)) for p in parts]
@@ -227,12 +237,13 @@ def clipped(optimizer, parts, when=None):
     return parts
 
 
-def whole_norms(parts, when=None):
-    """Each variable's whole L2 norm, from every replica's `parts` of it."""
+def whole_norms(parts, when=None, counter=None):
+    """Each variable's whole L2 norm, from every replica's `parts` of it
+    (one all-reduce, recorded in `counter` if given)."""
     squares = tf.stack([
         tf.reduce_sum(tf.square(tf.cast(_values(p), tf.float32))) for p in parts
     ])
-    (squares,) = aggregate([squares], AggregationMethod.SUM, when=when)
+    (squares,) = aggregate([squares], AggregationMethod.SUM, counter=counter, when=when)
     # As `tf.clip_by_norm`: a sum of 0 (or NaN) is its own norm.
     return tf.where(squares > 0, tf.sqrt(tf.where(squares > 0, squares, 1.0)), squares)
 

@@ -309,7 +309,7 @@ def optimizer_state(optimizer):
     counters = {id(optimizer.iterations), id(_compat.learning_rate_source(optimizer))}
     communication = getattr(optimizer, "_communication", None)
     if communication is not None:
-        counters.update(id(v) for v in (communication.calls, communication.bytes, communication.received))
+        counters.update(id(v) for v in communication.counts.values())
     return [v for v in optimizer.variables if id(v) not in counters]
 
 
