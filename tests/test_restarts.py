@@ -323,6 +323,40 @@ def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, first, then, s
     )
 
 
+def _regression_model(strategy):
+    """restart_model's MLP with a `Dense(1)` head, whose bias's part on
+    every replica has the whole bias's shape, (1,)."""
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((restart_model.FEATURES,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=_adam(shard=True)(), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("first, then", [(2, 4), (4, 2)])
+def test_a_sharded_backup_of_a_dense_1_head_resumes_on_another_number_of_replicas(
+    tmp_path, first, then
+):
+    reference = _regression_model(tf_agn.strategies.mirrored(DEVICES[:then]))
+    _fit(reference)
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(
+        _regression_model(tf_agn.strategies.mirrored(DEVICES[:first])), backup_dir, 2, 3,
+        save_freq=2,
+    )
+    resumed = _regression_model(tf_agn.strategies.mirrored(DEVICES[:then]))
+    _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+    for got, want in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    saved = zip(saving.saved_values(resumed.optimizer), saving.saved_values(reference.optimizer))
+    for got, want in saved:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("compression", ["int8", "powersgd", "int8_sharded"])
 def test_a_resized_backup_keeps_the_sum_of_what_is_owed_and_warns_for_sum(tmp_path, compression):
     compressor = tf_agn.compression.PowerSGD(rank=1) if compression == "powersgd" else "int8"

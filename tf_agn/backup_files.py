@@ -9,7 +9,8 @@ import numpy as np
 
 # The file that names the latest complete backup; written last, by the chief.
 POINTER = "latest.json"
-_FORMAT = 1
+# 2: the pointer names the sharded state variables ("sharded_state").
+_FORMAT = 2
 # Keras's own callback has every worker write the same `latest.weights.h5`:
 # two workers on one filesystem clash (`BlockingIOError: unable to lock
 # file`) or overwrite each other. Here each task writes files of its own.
@@ -67,9 +68,10 @@ class BackupFiles:
 
         Returns:
             A dict with the backup's "checkpoint" number, the "epoch" and
-            "step" within it that `fit` resumes from, and the "tasks",
+            "step" within it that `fit` resumes from, the "tasks",
             "num_replicas_in_sync" and "steps_per_epoch" (None where `fit`
-            did not know it) it was taken with.
+            did not know it) it was taken with, and "sharded_state": the
+            positions of the state variables each replica held a part of.
 
         Raises:
             ValueError: if the backup is of another format.
@@ -86,8 +88,13 @@ class BackupFiles:
             )
         return pointer
 
-    def write_pointer(self, checkpoint, epoch, step, num_replicas_in_sync, steps_per_epoch=None):
-        """Publishes backup `checkpoint`, which resumes at `step` of `epoch`."""
+    def write_pointer(
+        self, checkpoint, epoch, step, num_replicas_in_sync, steps_per_epoch=None,
+        sharded_state=(),
+    ):
+        """Publishes backup `checkpoint`, which resumes at `step` of `epoch`;
+        `sharded_state` lists the positions of the state variables that
+        each replica holds a part of."""
         pointer = {
             "format": _FORMAT,
             "checkpoint": checkpoint,
@@ -96,6 +103,7 @@ class BackupFiles:
             "tasks": self._task.all_names,
             "num_replicas_in_sync": num_replicas_in_sync,
             "steps_per_epoch": steps_per_epoch,
+            "sharded_state": list(sharded_state),
         }
         _write_atomically(self._pointer, lambda f: f.write(json.dumps(pointer).encode()))
 

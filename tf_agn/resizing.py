@@ -44,6 +44,21 @@ def replicas_copies(task_arrays, num_replicas, prefix, index):
     ]
 
 
+def sharded_positions(model):
+    """The positions, among a backup's state variables (the model's, then
+    its optimizer's), of the optimizer state that each replica holds a
+    part of."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        return []
+    sharded = [found.sharded_state for found in saving.sharded_within(optimizer)]
+    return [
+        len(model.variables) + index
+        for index, variable in enumerate(optimizer.variables)
+        if any(state.is_state(variable) for state in sharded)
+    ]
+
+
 def restore(model, task_arrays, pointer, num_replicas):
     """Restores `model`'s weights and optimizer state from a backup taken on
     `pointer["num_replicas_in_sync"]` replicas, onto `num_replicas`.
@@ -86,9 +101,13 @@ def restore(model, task_arrays, pointer, num_replicas):
         owed = {}
         for found in within + ([optimizer] if windowed else []):
             owed.update(_owed_values(found, lambda v: copies(position[id(v)]), num_replicas))
+        # Which state was sharded when backed up, as the backup says: a part
+        # can have the whole variable's shape (a `Dense(1)` bias's, (1,)).
+        sharded = set(pointer["sharded_state"])
         values = [
             owed[id(v)] if id(v) in owed else _resized(
-                copies(position[id(v)]), shape, id(v) in summed, num_replicas, v.path,
+                copies(position[id(v)]), shape, num_replicas, v.path,
+                sharded=position[id(v)] in sharded, summed=id(v) in summed,
                 averaged=id(v) in averaged,
             )
             for v, shape in zip(optimizer_variables, shapes)
@@ -117,12 +136,12 @@ def metric_values(model, task_arrays, pointer, num_replicas):
     return values
 
 
-def _resized(copies, shape, summed, num_replicas, path, averaged=False):
+def _resized(copies, shape, num_replicas, path, sharded, summed, averaged):
     """The value every new replica takes of an optimizer variable of
-    unsharded shape `shape`, from the old replicas' `copies`."""
-    size = int(np.prod(shape))
-    if tuple(copies[0].shape) != tuple(shape):
-        # Sharded when backed up: each replica's part, padded.
+    unsharded shape `shape`, from the old replicas' `copies`: each
+    replica's part, padded, if `sharded` when backed up."""
+    if sharded:
+        size = int(np.prod(shape))
         return np.concatenate([np.ravel(c) for c in copies])[:size].reshape(shape)
     if summed:
         return _share(np.sum(copies, axis=0), num_replicas)
