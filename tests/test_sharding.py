@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_agn
+from tf_agn import _compat
 from tf_agn.optimizers import saving
 from compression_model import build
 from compression_model import data
@@ -489,6 +490,14 @@ def test_accumulation_reduce_scatters_each_window_once(reduction):
 
     sharded = train(strategy, make, True, accumulation_reduction=reduction)
     plain = train(strategy, make, False, accumulation_reduction=reduction)
+    # Both runs spare the biases, as told (tests/test_wrapped_settings.py
+    # compares such a run with stock Keras).
+    for model, _ in (sharded, plain):
+        decayed = {
+            (v.name, _compat.uses_weight_decay(model.optimizer.inner_optimizer, v))
+            for v in model.trainable_variables
+        }
+        assert decayed == {("kernel", True), ("bias", False)}, decayed
     assert_same_training(sharded, plain)
     stats = sharded[0].optimizer.communication_stats()
     windows = STEPS // 3

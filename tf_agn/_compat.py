@@ -78,6 +78,11 @@ From Keras:
 - `BaseOptimizer._learning_rate` (`learning_rate_source`): the rate as
   given (variable, `LearningRateSchedule` or callable); the public
   `learning_rate` evaluates the latter two.
+- `BaseOptimizer._exclude_from_weight_decay`, `_exclude_from_weight_decay_pattern`
+  and `_exclude_from_weight_decay_cache`: what `exclude_from_weight_decay`
+  was told, which `get_config` leaves out, so an optimizer rebuilt from its
+  config would decay what the user excluded
+  (`copy_weight_decay_exclusions`, for the wrapped optimizers).
 - `BaseOptimizer._backend_apply_gradients`, `_clip_gradients`,
   `_apply_weight_decay` and `_backend_update_step` as hooks, which
   `tf_agn.optimizers.Aggregating` overrides to clip after the all-reduce,
@@ -228,6 +233,19 @@ def apply_weight_decay(optimizer, variables):
     own `_apply_weight_decay` (in the current context for tf_agn's classes,
     `InPlaceUpdates`)."""
     optimizer._apply_weight_decay(variables)
+
+
+def copy_weight_decay_exclusions(source, target):
+    """Gives `target` the variables and names `source` was told to exclude
+    from weight decay (`exclude_from_weight_decay`); before `target` is
+    built."""
+    # Keras keeps the excluded variables by `_var_key` (their id) and the
+    # names as one compiled pattern; neither is in `get_config`.
+    target._exclude_from_weight_decay = set(getattr(source, "_exclude_from_weight_decay", ()))
+    target._exclude_from_weight_decay_pattern = getattr(
+        source, "_exclude_from_weight_decay_pattern", None
+    )
+    target._exclude_from_weight_decay_cache = {}
 
 
 def uses_weight_decay(optimizer, variable):

@@ -3,6 +3,7 @@ Keras optimizer they wrap."""
 
 import keras
 
+from tf_agn import _compat
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.aggregating import aggregating_class
@@ -14,7 +15,8 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
     Like Keras' `LossScaleOptimizer`, it holds no hyperparameters of its
     own: `learning_rate` and `iterations` are the wrapped optimizer's. The
     wrapped optimizer is `inner_optimizer`, rebuilt from its config with
-    `tf_agn.optimizers.Aggregating` mixed in. The base of
+    `tf_agn.optimizers.Aggregating` mixed in, and with the variables and
+    names it was told to `exclude_from_weight_decay`. The base of
     `tf_agn.optimizers.DistributedOptimizer` and `WindowedOptimizer`.
 
     Args:
@@ -42,6 +44,12 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         # Rebuilt with `Aggregating` mixed in: the update rule and state
         # stay the user's, and gradients travel as tf_agn's do.
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
+        _compat.copy_weight_decay_exclusions(optimizer, self.inner_optimizer)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the wrapped optimizer's weight decay; see
+        `keras.optimizers.Optimizer.exclude_from_weight_decay`."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
@@ -95,13 +103,16 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
 
         Returns:
             A `keras.optimizers.Optimizer` with the inner optimizer's
-            hyperparameters and none of its state.
+            hyperparameters and weight decay exclusions, and none of its
+            state.
         """
         config = self.inner_optimizer.get_config()
         if not issubclass(self._wrapped_class, Aggregating):
             for setting in Aggregating.SETTINGS:
                 del config[setting]
-        return self._wrapped_class.from_config(config)
+        plain = self._wrapped_class.from_config(config)
+        _compat.copy_weight_decay_exclusions(self.inner_optimizer, plain)
+        return plain
 
     def get_config(self):
         # The inner optimizer is serialized as the user's own class, so that
