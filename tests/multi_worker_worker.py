@@ -210,7 +210,7 @@ def main(inputs_path, model_path, out_dir):
         )
         state = [v for v in model.optimizer.variables if v.path.endswith(COMPRESSION_STATE)]
         for i, variable in enumerate(state):
-            # This replica's own copy: a read across replicas is their mean.
+            # This replica's own copy: a read across replicas is their sum or mean.
             (local,) = strategy.experimental_local_results(variable.value)
             result[f"compressed/{name}/state/{i}"] = local.numpy()
 

@@ -21,6 +21,7 @@ from compression_model import data
 from conftest import DEVICES
 from multi_worker_data import COMPRESSION_STATE
 from tf_agn import compression
+from tf_agn import resizing
 
 TRANSPORTS = ["local", "collective"]
 BATCH = 64
@@ -160,6 +161,44 @@ def test_keras_file_mid_training_then_training_on(tmp_path, compressor, atol):
     fit(loaded, 2)
     for got, want in zip(loaded.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=atol)
+
+
+def owed_in_all(model):
+    """What the replicas owe altogether under error feedback, per
+    compressed variable: the sum over replicas of `compressor.residual`."""
+    strategy = model.distribute_strategy
+    compressor, states = model.optimizer.error_feedback_state()
+    return [
+        np.sum([
+            resizing.owed_by(compressor, dict(zip(state, replica)))
+            for replica in zip(*(
+                [c.numpy() for c in strategy.experimental_local_results(v.value)]
+                for v in state.values()
+            ))
+        ], axis=0)
+        for state in states
+    ]
+
+
+@pytest.mark.parametrize("then", [2, 4])
+@pytest.mark.parametrize(
+    "compressor", ["int8", compression.PowerSGD(rank=2)], ids=["int8", "powersgd"]
+)
+def test_a_keras_file_keeps_what_the_replicas_owe_on_any_replica_count(tmp_path, compressor, then):
+    model = build(
+        tf_agn.strategies.mirrored(devices=DEVICES),
+        lambda: tf_agn.optimizers.SGD(0.1, compression=compressor),
+    )
+    fit(model, 1)
+    owed = owed_in_all(model)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with tf_agn.strategies.mirrored(devices=DEVICES[:then]).scope():
+        loaded = keras.models.load_model(path)
+    got = owed_in_all(loaded)
+    assert len(got) == len(owed) > 0
+    for got_sum, want_sum in zip(got, owed, strict=True):
+        np.testing.assert_allclose(got_sum, want_sum, rtol=1e-5, atol=1e-7)
 
 
 def test_backup_and_restore_keeps_every_replicas_state(tmp_path):

@@ -24,6 +24,7 @@ import tensorflow as tf
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.windowed import WindowedOptimizer
+from tf_agn.replica_state import assign_every_copy
 
 
 def replicas_copies(task_arrays, num_replicas, prefix, index):
@@ -113,6 +114,12 @@ def restore(model, task_arrays, pointer, num_replicas):
             for v, shape in zip(optimizer_variables, shapes)
         ]
         saving.load_values(optimizer, values)
+        # Owed state is "sum"-aggregated, which an assignment in cross-replica
+        # context would share out again: each copy takes its value as it is.
+        owed_variables = [v for v in optimizer_variables if id(v) in owed]
+        assign_every_copy(
+            model.distribute_strategy, owed_variables, [owed[id(v)] for v in owed_variables]
+        )
         if windowed:
             iterations = optimizer.inner_optimizer.iterations
             iterations.assign(iterations.numpy() // optimizer.local_steps * optimizer.local_steps)

@@ -36,10 +36,16 @@ import tensorflow as tf
 from tf_agn import packing
 from tf_agn.finite import all_finite
 
-# The shape of one piece of per-replica state, and its initializer: a
-# Keras initializer name or a callable `(shape, dtype) -> tensor` that
-# gives the same value on every replica of every worker.
-StateSpec = collections.namedtuple("StateSpec", ["shape", "initializer"])
+# The shape of one piece of per-replica state; its initializer: a Keras
+# initializer name or a callable `(shape, dtype) -> tensor` that gives the
+# same value on every replica of every worker; and whether it is `owed`:
+# part of what a replica owes, linearly (the residual, or a factor of it
+# that differs between replicas), which a `.keras` file keeps as the
+# replicas' sum and loading shares out equally. State alike on every
+# replica (PowerSGD's P^ and Q) is not owed: it is kept as it is.
+StateSpec = collections.namedtuple(
+    "StateSpec", ["shape", "initializer", "owed"], defaults=[False]
+)
 
 
 class ErrorFeedbackCompressor:

@@ -75,7 +75,7 @@ class Int8(ErrorFeedbackCompressor):
     def state_spec(self, shape):
         if not self.error_feedback:
             return {}
-        return {"residual": StateSpec(shape, "zeros")}
+        return {"residual": StateSpec(shape, "zeros", owed=True)}
 
     def wire_bytes(self, shape, dtype):
         """A code per element and a float32 scale per chunk: what `encode`

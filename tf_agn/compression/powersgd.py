@@ -104,9 +104,11 @@ class PowerSGD(ErrorFeedbackCompressor):
             # computes g + (M - P^ Q_w^T) inside the pass that adds the
             # gradient, where writing e out would cost a pass over the
             # gradients (read M, write e) on every step.
-            spec["powersgd_m"] = StateSpec(shape, "zeros")
+            # M - P^ Q_w^T is linear in M and Q_w, this replica's own, with
+            # P^ alike on every replica.
+            spec["powersgd_m"] = StateSpec(shape, "zeros", owed=True)
             spec["powersgd_p"] = StateSpec((rows, self.rank), "zeros")
-            spec["powersgd_local_q"] = StateSpec((self.rank, cols), "zeros")
+            spec["powersgd_local_q"] = StateSpec((self.rank, cols), "zeros", owed=True)
         return spec
 
     def residual(self, state):

@@ -7,8 +7,9 @@ An optimizer with such a compressor has, after Keras's own variables, one
 replica-local variable per trainable variable and kind of state, named
 after its model variable (`dense_kernel_residual`,
 `dense_kernel_powersgd_q`, ...). `tf_agn.callbacks.BackupAndRestore` saves
-every replica's copy; a `.keras` file saves their mean, from which training
-continues with no update lost.
+every replica's copy; a `.keras` file saves the sum of what the replicas
+owe, which loading shares out equally on any number of replicas, so
+training continues with no update lost.
 
 Sparse gradients (`tf.IndexedSlices`, as an embedding read by a gather
 has) travel uncompressed and need no state: name their variables in the
@@ -117,20 +118,22 @@ def add_compression_state(optimizer, variables, compressor, sparse_gradients=Non
             states.append(state)  # It travels uncompressed.
             continue
         for name, spec in sorted(compressor.state_spec(variable.shape).items()):
-            # A `.keras` file holds the replicas' mean, which loading gives
-            # every replica: what the residuals add up to, all a sum of the
+            # A `.keras` file holds what Keras reads in cross-replica
+            # context: the replicas' sum of owed state ("sum", which
+            # TensorFlow shares out equally when it is assigned back, on any
+            # number of replicas) and the mean of the rest, alike on every
+            # replica. So what the residuals add up to, all a sum of the
             # replicas' contributions depends on, is kept. PowerSGD's result
-            # is linear in the residuals, whose factors' means are the mean
-            # residual (P^ and Q are equal on every replica), so it continues
-            # exactly (up to rounding); int8 rounds each replica's value on
-            # its own, so its next steps round differently.
+            # is linear in the residuals, so it continues exactly (up to
+            # rounding); int8 rounds each replica's value on its own, so its
+            # next steps round differently.
             with keras.name_scope(optimizer.name, caller=optimizer):
                 state[name] = keras.Variable(
                     initializer=spec.initializer,
                     shape=spec.shape,
                     dtype=variable.dtype,
                     trainable=False,
-                    aggregation="mean",
+                    aggregation="sum" if spec.owed else "mean",
                     synchronization="on_read",
                     name=_compat.reference_variable_name(variable, name),
                 )
