@@ -470,3 +470,37 @@ def test_memory_stats_count_centers_and_both_optimizers_states():
         # The centers, and Adam's two moments.
         "optimizer_state": 3 * weights + counters, "compressor_state": weights,
     }
+
+
+def test_a_commit_moves_only_the_variables_the_optimizer_steps():
+    # A GAN's shape: AGN is built on both variables but steps `own` alone;
+    # a plain optimizer steps `other`, which AGN's commits must not touch.
+    strategy = tf_agn.strategies.mirrored(DEVICES[:2])
+    with strategy.scope():
+        own, other = keras.Variable(np.ones(3, np.float32)), keras.Variable(np.ones(3, np.float32))
+        agn = tf_agn.optimizers.AGN(keras.optimizers.SGD(0.1), local_steps=2)
+        agn.build([own, other])
+        plain = tf_agn.optimizers.SGD(0.1)
+        plain.build([other])
+
+    @tf.function
+    def step():
+        def replica():
+            gradient = tf.fill([3], 1.0 / strategy.num_replicas_in_sync)  # Keras's 1/n
+            agn.apply([gradient], [own])
+            plain.apply([gradient], [other])
+
+        strategy.run(replica)
+
+    step()
+    step()
+    # Two local steps of -0.1 each, committed divided by λ = 2.
+    np.testing.assert_allclose(own.numpy(), np.full(3, 0.9), rtol=1e-6)
+    np.testing.assert_allclose(other.numpy(), np.full(3, 0.8), rtol=1e-6)
+
+
+def test_a_windowed_optimizer_refuses_a_wrapper_inside():
+    with pytest.raises(ValueError, match="AGN wraps a Keras optimizer, not DistributedOptimizer"):
+        tf_agn.optimizers.AGN(
+            tf_agn.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1)), local_steps=2
+        )

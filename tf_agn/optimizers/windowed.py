@@ -115,6 +115,8 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         self.outer_optimizer = outer_optimizer
         self.reset_inner_state = bool(reset_inner_state)
         self._swap_function = None
+        # The positions among the built variables of those `apply` was given.
+        self._applied = set()
 
     @property
     def aggregation(self):
@@ -169,6 +171,13 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             self.build(trainable_variables)
+        built = _compat.built_variables(self)
+        # Commits move the variables this optimizer steps (Keras's `apply`
+        # takes any of those built: a GAN's optimizer may be built on every
+        # variable and step only its own), known while the step is traced.
+        self._applied.update(
+            _compat.variable_index(self.inner_optimizer, v) for v in trainable_variables or built
+        )
         self.inner_optimizer.apply(grads, trainable_variables)
         context = tf.distribute.get_replica_context()
         if context is None:
@@ -190,23 +199,27 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
 
     def _commit(self):
         """A synchronous commit, in replica context."""
-        variables = _compat.built_variables(self)
+        built = _compat.built_variables(self)
+        # In the order built, the same on every replica and worker.
+        indices = sorted(self._applied) or range(len(built))
+        variables = [built[i] for i in indices]
+        centers = [self._centers[i] for i in indices]
         deltas = [
             self.commit_delta(variable, center)
-            for variable, center in zip(variables, self._centers)
+            for variable, center in zip(variables, centers)
         ]
         combined = aggregate(
             deltas,
             self.aggregation,
             compressor=self.resolved_compression,
-            state=self._compression_state,
+            state=[self._compression_state[i] for i in indices],
             step=self.outer_optimizer.iterations,
             counter=self._communication,
         )
         # The center update runs per replica, like the local steps: every
         # replica holds the same combined Δ, so the copies of θ_c stay equal.
-        self.apply_to_center(combined, self._centers)
-        for variable, delta, center in zip(variables, deltas, self._centers):
+        self.apply_to_center(combined, centers)
+        for variable, delta, center in zip(variables, deltas, centers):
             variable.assign(self.local_after_commit(variable, delta, center))
         if self.reset_inner_state:
             for slot in optimizer_state(self.inner_optimizer):

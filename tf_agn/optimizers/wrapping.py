@@ -154,6 +154,13 @@ def check_wrappable(owner, optimizer, kwargs):
             f"Wrap the inner optimizer, not a LossScaleOptimizer: Keras adds "
             f"the LossScaleOptimizer around {owner} itself under mixed precision."
         )
+    if isinstance(optimizer, WrappingOptimizer):
+        raise ValueError(
+            f"{owner} wraps a Keras optimizer, not {type(optimizer).__name__} "
+            f"{optimizer.name!r}, which wraps one itself: pass its settings to "
+            f"{owner} (aggregation_method, compression, ...) around the Keras "
+            "optimizer."
+        )
     if optimizer.built:
         raise ValueError(
             f"Optimizer {optimizer.name!r} is already built. Wrap it in {owner} "
