@@ -24,6 +24,8 @@ class MyWrapper(keras.optimizers.Optimizer):
 ```
 """
 
+import collections.abc
+
 from tf_agn import _compat
 
 
@@ -45,20 +47,42 @@ def sharded_within(optimizer):
     return [found for found in aggregating_within(optimizer) if found.sharded_state]
 
 
-def saved_values(optimizer):
-    """`optimizer.variables`' values as Keras saves them, sharded state
-    whole, with the unsharded optimizer's shapes.
+def each_saved_value(optimizer):
+    """Yields `optimizer.variables`' values as Keras saves them, in order,
+    sharded state whole, with the unsharded optimizer's shapes.
 
-    With sharded state it all-gathers: call it on every worker, as Keras
-    asks of `model.save` under a multi-worker strategy.
+    Sharded state is all-gathered a pack at a time
+    (`ShardedState.whole_values`), when the values before it have been
+    taken: write each value away before taking the next, and saving holds
+    one pack of the state at a time. Call it on every worker, as Keras
+    asks of `model.save` under a multi-worker strategy, and take every
+    value.
+    """
+    gathering = {}
+    for found in sharded_within(optimizer):
+        values = found.sharded_state.whole_values(found)
+        gathering.update((id(s), values) for s in found.sharded_state.states(found))
+    # A pack's values come together, and packs of different dtypes may
+    # interleave: those gathered before their turn wait here.
+    waiting = {}
+    for variable in optimizer.variables:
+        if id(variable) not in gathering:
+            yield variable.numpy()
+            continue
+        while id(variable) not in waiting:
+            state, value = next(gathering[id(variable)])
+            waiting[id(state)] = value
+        yield waiting.pop(id(variable))
+
+
+def saved_values(optimizer):
+    """`optimizer.variables`' values as Keras saves them: the list of
+    `each_saved_value`'s, every one held at once.
 
     Returns:
         One numpy array per variable of `optimizer.variables`.
     """
-    by_id = {}
-    for found in sharded_within(optimizer):
-        by_id.update(found.sharded_state.whole_values(found))
-    return [by_id[id(v)] if id(v) in by_id else v.numpy() for v in optimizer.variables]
+    return list(each_saved_value(optimizer))
 
 
 def saved_shapes(optimizer):
@@ -72,22 +96,28 @@ def saved_shapes(optimizer):
 def save(optimizer, store):
     """Writes `optimizer.variables` to a Keras saving `store`, by position,
     sharded state whole."""
-    for i, value in enumerate(saved_values(optimizer)):
+    for i, value in enumerate(each_saved_value(optimizer)):
         store[str(i)] = value
 
 
 def load(optimizer, store):
     """Sets `optimizer.variables` from a Keras saving `store`, as `save`
-    wrote it (or the unsharded optimizer's Keras saved).
+    wrote it (or the unsharded optimizer's Keras saved), reading each value
+    when its variable is assigned.
 
     Raises:
         ValueError: as `load_values`.
     """
-    load_values(optimizer, [store[str(i)] for i in range(len(store.keys()))])
+    load_values(optimizer, _StoredValues(store))
 
 
 def load_values(optimizer, values):
     """Sets `optimizer.variables` from values as `saved_values` gives them.
+
+    Args:
+        optimizer: the optimizer to set.
+        values: a sequence of one value per variable; each is taken
+            (`values[i]`) when its variable is assigned.
 
     Raises:
         ValueError: for another number of values, or sharded state of a
@@ -99,13 +129,30 @@ def load_values(optimizer, values):
             f"{optimizer.name} has {len(variables)} variables; the saved "
             f"optimizer has {len(values)}. Was it saved from another optimizer?"
         )
-    by_id = {id(v): value for v, value in zip(variables, values)}
+    position = {id(v): i for i, v in enumerate(variables)}
+
+    def value_of(variable):
+        return values[position[id(variable)]]
+
     loaded = set()
     for found in sharded_within(optimizer):
-        loaded.update(found.sharded_state.assign_whole_values(found, by_id))
+        loaded.update(found.sharded_state.assign_whole_values(found, value_of))
     for variable in variables:
         if id(variable) not in loaded:
-            variable.assign(by_id[id(variable)])
+            variable.assign(value_of(variable))
+
+
+class _StoredValues(collections.abc.Sequence):
+    """A Keras saving store's values by position, each read when taken."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self):
+        return len(self.store.keys())
+
+    def __getitem__(self, index):
+        return self.store[str(index)]
 
 
 def _loss_scale_save(loss_scale_optimizer, store):

@@ -210,67 +210,91 @@ class ShardedState:
         """{id(state variable): the shape of its trainable variable}, for
         `optimizer`'s sharded state."""
         shapes = [tuple(v.shape) for v in _compat.built_variables(optimizer)]
-        return {id(s): shapes[self.index_of_state(s)] for s in self._states(optimizer)}
+        return {id(s): shapes[self.index_of_state(s)] for s in self.states(optimizer)}
 
     def whole_values(self, optimizer):
-        """{id(state variable): its value as the unsharded optimizer holds
-        it}: every replica's part, joined, unpadded and shaped as the
-        trainable variable. Call it in cross-replica context on every worker
-        (it all-gathers).
-        """
-        states = self._states(optimizer)
-        strategy = _compat.creation_strategy(optimizer)
+        """Yields `(state variable, its value as the unsharded optimizer
+        holds it)` for each of `optimizer`'s sharded state variables: every
+        replica's part, joined, unpadded and shaped as the trainable
+        variable.
 
-        @tf.function
-        def gather():
-            return strategy.run(lambda: all_gather([s.value for s in states]))
+        The parts travel a pack at a time (`packing.plan_packs`: at most the
+        strategy's `bytes_per_pack` when whole, or one larger variable), one
+        all-gather each, when the values before them have been taken: so a
+        caller that writes each value away before taking the next holds
+        one pack beside the weights, not the whole state. Packs are in the
+        order of their first variable; a pack's values come together.
+
+        Call it in cross-replica context on every worker, and take every
+        value there: each all-gather needs every worker.
+        """
+        states = self.states(optimizer)
+        strategy = _compat.creation_strategy(optimizer)
+        local = strategy.experimental_local_results
+        sizes = [(tf.as_dtype(s.dtype), self._part(s) * self.num_replicas) for s in states]
+        packs = packing.plan_packs(sizes, tf_agn_ops(strategy).bytes_per_pack)
+
+        # Traced for a first shape, then once for any shape.
+        @tf.function(reduce_retracing=True)
+        def gather(parts):
+            # One replica's copy: what no output needs is not computed.
+            return local(strategy.run(lambda part: all_gather([part])[0], args=(parts,)))[0]
 
         shapes = self.whole_shapes(optimizer)
-        values = {}
-        for state, joined in zip(states, gather()):
-            flat = strategy.experimental_local_results(joined)[0].numpy()
-            size = self.sizes[self.index_of_state(state)]
-            values[id(state)] = flat[:size].reshape(shapes[id(state)])
-        return values
+        for pack in [[states[i] for i in pack] for pack in packs]:
+            joined = []
+            for copies in zip(*[local(s.value) for s in pack]):
+                with tf.device(copies[0].device):
+                    joined.append(tf.concat([tf.reshape(c, [-1]) for c in copies], 0))
+            # Row r: replica r's parts of the pack's variables, joined.
+            rows = gather(_per_replica(strategy, joined)).numpy().reshape(self.num_replicas, -1)
+            ends = np.cumsum([self._part(s) for s in pack])
+            for state, end in zip(pack, ends):
+                flat = rows[:, end - self._part(state) : end].reshape(-1)
+                size = self.sizes[self.index_of_state(state)]
+                yield state, flat[:size].reshape(shapes[id(state)])
 
-    def assign_whole_values(self, optimizer, values):
-        """Gives each replica its part of each whole value.
+    def assign_whole_values(self, optimizer, value_of):
+        """Gives each replica its part of each whole value, one variable at
+        a time: each value is asked for when its variable is assigned.
 
         Args:
             optimizer: the optimizer whose sharded state takes them.
-            values: {id(variable): value}, a value of the trainable
-                variable's shape for each state variable, among others.
+            value_of: `value_of(state variable)`, its value with the
+                trainable variable's shape (what `np.asarray` reads).
 
         Returns:
             The ids of the state variables assigned.
 
         Raises:
             ValueError: for a value of another shape than the unsharded
-                optimizer's.
+                optimizer's (the variables before it are assigned).
         """
-        states = self._states(optimizer)
         shapes = self.whole_shapes(optimizer)
+        strategy = _compat.creation_strategy(optimizer)
+        local = strategy.experimental_local_results
+        states = self.states(optimizer)
         for state in states:
-            if tuple(np.shape(values[id(state)])) != shapes[id(state)]:
+            value = np.asarray(value_of(state), state.dtype)
+            if value.shape != shapes[id(state)]:
                 raise ValueError(
-                    f"The saved value of {state.path} has shape "
-                    f"{np.shape(values[id(state)])}; this model's variable has "
-                    f"{shapes[id(state)]}."
+                    f"The saved value of {state.path} has shape {value.shape}; "
+                    f"this model's variable has {shapes[id(state)]}."
                 )
-        rows = [
-            tf.constant(self.rows(np.asarray(values[id(s)], s.dtype), self.index_of_state(s)))
-            for s in states
-        ]
-
-        def assign():
-            rank = tf.distribute.get_replica_context().replica_id_in_sync_group
-            for state, state_rows in zip(states, rows):
-                state.assign(tf.gather(state_rows, rank))
-
-        tf.function(lambda: _compat.creation_strategy(optimizer).run(assign))()
+            rows = self.rows(value, self.index_of_state(state))
+            # This worker's replicas' rows, in the order of their copies.
+            mine = strategy.experimental_distribute_values_from_function(
+                lambda context, rows=rows: rows[context.replica_id_in_sync_group]
+            )
+            for copy, row in zip(local(state.value), local(mine), strict=True):
+                copy.assign(row)
         return {id(s) for s in states}
 
-    def _states(self, optimizer):
+    def _part(self, state):
+        """The length of `state`'s part."""
+        return self.parts[self.index_of_state(state)]
+
+    def states(self, optimizer):
         """`optimizer`'s sharded state variables, in `variables`' order."""
         return [v for v in optimizer.variables if self.is_state(v)]
 
@@ -281,3 +305,12 @@ class ShardedState:
         padding = self.parts[index] * self.num_replicas - self.sizes[index]
         return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
 
+
+def _per_replica(strategy, local_values):
+    """The distributed value whose local results are `local_values`, one
+    for each of this worker's replicas, in `experimental_local_results`'
+    order."""
+    # `experimental_distribute_values_from_function` asks this worker's
+    # replicas' values in that order.
+    values = iter(local_values)
+    return strategy.experimental_distribute_values_from_function(lambda context: next(values))
