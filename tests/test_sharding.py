@@ -20,6 +20,7 @@ import tensorflow as tf
 import tf_agn
 from tf_agn import _compat
 from tf_agn.optimizers import saving
+from tf_agn.optimizers import sharding
 from compression_model import build
 from compression_model import data
 from conftest import DEVICES
@@ -403,6 +404,99 @@ def test_a_sharded_run_saves_the_unsharded_optimizers_layout(wrapper, tmp_path, 
     for name, want in plain.items():
         assert sharded[name].shape == want.shape, name
         assert relative(sharded[name], want) <= TOLERANCE, name
+
+
+class RecordingStore(dict):
+    """A Keras saving store (what `save_own_variables` writes and
+    `load_own_variables` reads) that notes each write and read in
+    `events`."""
+
+    def __init__(self, events, *args):
+        super().__init__(*args)
+        self.events = events
+
+    def __setitem__(self, key, value):
+        self.events.append(("write", int(key)))
+        super().__setitem__(key, value)
+
+    def __getitem__(self, key):
+        self.events.append(("read", int(key)))
+        return super().__getitem__(key)
+
+
+def test_saving_gathers_a_pack_at_a_time_and_loading_assigns_a_value_at_a_time(monkeypatch):
+    # Packs of at most 1 KiB whole: the 20x64 kernel's moments (5 KiB)
+    # travel alone, the others two or three to a pack.
+    bytes_per_pack = 1024
+    strategy = tf_agn.strategies.mirrored(DEVICES, transport="local", bytes_per_pack=bytes_per_pack)
+    model = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True))
+    model.fit(*data(rows=BATCH), batch_size=BATCH, verbose=0)
+    optimizer, sharded = model.optimizer, model.optimizer.sharded_state
+    states = {i for i, v in enumerate(optimizer.variables) if sharded.is_state(v)}
+    # Each state variable's bytes as gathered: n parts, padded.
+    padded = {
+        i: 4 * N * sharded.parts[sharded.index_of_state(optimizer.variables[i])] for i in states
+    }
+    events = []
+    all_gather = sharding.all_gather
+
+    def recording_all_gather(tensors, when=None):
+        gathered = all_gather(tensors, when)
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        nbytes = sum(tf.size(t) * t.dtype.size for t in gathered)
+
+        def note(replica, nbytes):
+            if replica == 0:
+                events.append(("gather", int(nbytes)))
+
+        tf.py_function(note, [replica, nbytes], [])
+        return gathered
+
+    monkeypatch.setattr(sharding, "all_gather", recording_all_gather)
+    saved = RecordingStore(events)
+    optimizer.save_own_variables(saved)
+    gathers = [nbytes for kind, nbytes in events if kind == "gather"]
+    assert max(gathers) <= max(bytes_per_pack, *padded.values())
+    assert sum(gathers) == sum(padded.values()) and len(gathers) >= 4, events
+    # Every state value gathered is written before the next gather.
+    gathered = written = 0
+    for kind, value in events:
+        if kind == "gather":
+            assert gathered == written, events
+            gathered += value
+        elif value in states:
+            written += padded[value]
+    assert gathered == written
+    # The values are the unsharded optimizer's (the layout test compares
+    # them with one).
+    np.testing.assert_equal(list(saved.values()), saving.saved_values(optimizer))
+
+    fresh = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True))
+    with strategy.scope():
+        fresh.optimizer.build(fresh.trainable_variables)
+    variables, fresh_sharded = fresh.optimizer.variables, fresh.optimizer.sharded_state
+
+    def holds_saved_value(i):
+        index = fresh_sharded.index_of_state(variables[i])
+        rows = fresh_sharded.rows(dict.__getitem__(saved, str(i)), index)
+        copies = strategy.experimental_local_results(variables[i].value)
+        return all(np.array_equal(c.numpy(), row) for c, row in zip(copies, rows.numpy()))
+
+    assert not any(holds_saved_value(i) for i in states)
+    events.clear()
+    assigned_at_read = []
+
+    class CheckingStore(RecordingStore):
+        def __getitem__(self, key):
+            if int(key) in states:
+                assigned_at_read.append(sorted(i for i in states if holds_saved_value(i)))
+            return super().__getitem__(key)
+
+    fresh.optimizer.load_own_variables(CheckingStore(events, saved))
+    read = [i for kind, i in events if kind == "read" and i in states]
+    # When each state value is read, every one read before it is assigned.
+    assert assigned_at_read == [sorted(read[:k]) for k in range(len(read))]
+    np.testing.assert_equal(saving.saved_values(fresh.optimizer), list(saved.values()))
 
 
 def continued(strategy, shard, path=None, load_model=False):
