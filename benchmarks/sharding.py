@@ -2,6 +2,7 @@
 
     python benchmarks/sharding.py                 # every part
     python benchmarks/sharding.py --parts=memory
+    python benchmarks/sharding.py --parts=saving --steps=2
 
 1. memory: for the 784-4096-4096-1024-10 MLP (24.2M parameters) and
    ResNet-50 (23.6M with 10 classes, 32x32 inputs), Adam, sharded and unsharded, each
@@ -23,6 +24,16 @@
 3. workers: the speed part's fit steps across `--num_workers` localhost
    worker processes, one CPU replica each (stock Keras over TensorFlow's
    own collectives, tf_agn's over its collective transport).
+4. saving: across `--num_workers` worker processes, one CPU replica each,
+   the MLP with sharded Adam trained `--steps` steps, each worker's peak
+   resident memory in fresh processes: training alone, then training and
+   `model.save_weights` to `.weights.h5` (as Keras's `BackupAndRestore` and
+   `ModelCheckpoint(save_weights_only=True)` save), then training and
+   `model.save` to `.keras`. Target: saving adds at most twice the largest
+   variable's bytes to training's peak. Keras writes a `.keras` file's
+   weights into an in-memory `.h5` first: that copy, the size of the
+   weights file, is not counted against the target and is printed on its
+   own line.
 """
 
 import json
@@ -30,7 +41,9 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -38,7 +51,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["memory", "speed", "workers"], "memory, speed, workers.")
+flags.DEFINE_list("parts", ["memory", "speed", "workers", "saving"], "memory, speed, workers, saving.")
 flags.DEFINE_integer("num_workers", 2, "Worker processes of the workers part.")
 flags.DEFINE_integer("num_replicas", 4, "Logical CPU replicas.")
 flags.DEFINE_list("hidden_units", ["4096", "4096", "1024"], "The MLP's hidden widths.")
@@ -47,6 +60,8 @@ flags.DEFINE_integer("repeats", 3, "Rounds of the speed part.")
 flags.DEFINE_integer("rows_per_replica", 32, "Rows per replica a step.")
 flags.DEFINE_list("models", ["mlp", "resnet50"], "The memory part's models.")
 flags.DEFINE_string("child", None, "Internal: run one memory configuration.")
+flags.DEFINE_string("saving_child", None, "Internal: run one saving configuration, as a worker.")
+flags.DEFINE_string("results_dir", None, "Internal: where saving workers write their results.")
 
 MIB = 2**20
 MAX_SHARDED_TO_UNSHARDED = 1.05
@@ -240,6 +255,85 @@ def workers_part():
     timed_fit_steps(strategy_for, x, y, rows, say)
 
 
+SAVINGS = ("training alone", ".weights.h5", ".keras")
+
+
+def saving_part():
+    """Each worker's peak resident memory, training alone and training then
+    saving (`SAVINGS`), each in fresh worker processes."""
+    from tf_agn.strategies import launch
+
+    n = FLAGS.num_workers
+    print(f"\n-- saving: sharded Adam, {n} workers on localhost, one CPU replica each, "
+          f"{FLAGS.steps} fit steps, fresh processes")
+    print("| run | " + " | ".join(f"worker {i} peak RSS MiB" for i in range(n)) + " |")
+    print("|---|" + "---|" * n)
+    results = {}
+    for saving in SAVINGS:
+        with tempfile.TemporaryDirectory() as directory:
+            sys.stdout.flush()
+            command = [sys.executable, __file__, f"--saving_child={saving}",
+                       f"--results_dir={directory}", *_forwarded_flags()]
+            code = launch.run_workers(command, n)
+            if code:
+                sys.exit(code)
+            results[saving] = [
+                json.load(open(os.path.join(directory, f"worker{i}.json"))) for i in range(n)
+            ]
+        print(f"| {saving} | " + " | ".join(f"{r['peak_rss_mib']:.0f}" for r in results[saving]) + " |")
+    largest = results[SAVINGS[0]][0]["largest_variable_mib"]
+    in_memory = max(r["weights_file_mib"] for r in results[".keras"])
+    trained = [r["peak_rss_mib"] for r in results["training alone"]]
+    added = {
+        saving: max(r["peak_rss_mib"] - t for r, t in zip(results[saving], trained))
+        for saving in SAVINGS[1:]
+    }
+    print(f"  Keras's in-memory .h5 of the .keras file's weights (not counted): {in_memory:.0f} MiB; "
+          f"the .keras peak above the .weights.h5 one: "
+          f"{added['.keras'] - added['.weights.h5']:.0f} MiB")
+    added[".keras"] -= in_memory
+    worst = max(added.values())
+    verdict = "PASS" if worst <= 2 * largest else "FAIL"
+    print(
+        f"  {verdict}: saving adds at most {worst:.0f} MiB to a worker's training peak "
+        f"(.weights.h5 {added['.weights.h5']:.0f}, .keras {added['.keras']:.0f} without Keras's "
+        f"copy); target <= {2 * largest:.0f} MiB (twice the largest variable, {largest:.0f} MiB)"
+    )
+
+
+def saving_child(saving):
+    """One worker of one `saving_part` run: trains, saves as `saving` says,
+    and writes its peak resident memory."""
+    import numpy as np
+
+    import tf_agn
+
+    strategy = tf_agn.strategies.multi_worker_mirrored()
+    task = int(strategy.cluster_resolver.task_id)
+    model = build(
+        "mlp", lambda: tf_agn.optimizers.Adam(1e-4, shard_optimizer_state=True), strategy
+    )
+    rows = FLAGS.rows_per_replica * FLAGS.num_workers
+    x, y = data("mlp", rows * FLAGS.steps)
+    model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+    path = os.path.join(FLAGS.results_dir, f"worker{task}{saving}")
+    weights_file = 0
+    # Every worker saves, each to its own path, as Keras asks.
+    if saving == ".weights.h5":
+        model.save_weights(path)
+    elif saving == ".keras":
+        model.save(path)
+        with zipfile.ZipFile(path) as archive:
+            weights_file = archive.getinfo("model.weights.h5").file_size
+    result = {
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "largest_variable_mib": max(np.prod(v.shape) * 4 for v in model.trainable_variables) / MIB,
+        "weights_file_mib": weights_file / MIB,
+    }
+    with open(os.path.join(FLAGS.results_dir, f"worker{task}.json"), "w") as out:
+        json.dump(result, out)
+
+
 def _forwarded_flags():
     return [
         f"--steps={FLAGS.steps}", f"--repeats={FLAGS.repeats}",
@@ -297,6 +391,9 @@ def main(argv):
     if FLAGS.child:
         child(FLAGS.child)
         return
+    if FLAGS.saving_child:
+        saving_child(FLAGS.saving_child)
+        return
     if "TF_CONFIG" in os.environ:  # a worker of the workers part
         workers_part()
         return
@@ -309,6 +406,8 @@ def main(argv):
         speed_part()
     if "workers" in FLAGS.parts:
         workers_part()
+    if "saving" in FLAGS.parts:
+        saving_part()
 
 
 if __name__ == "__main__":

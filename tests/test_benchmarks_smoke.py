@@ -89,11 +89,11 @@ def test_compression_runs_and_reports():
 @pytest.mark.slow
 def test_sharding_runs_and_reports():
     # A 784-64-10 MLP, 2 steps, 1 round: memory in fresh processes, speed
-    # on 2 logical CPUs and across 2 workers.
+    # on 2 logical CPUs and across 2 workers, saving across 2 workers.
     result = run_python(
         os.path.join(ROOT, "benchmarks", "sharding.py"),
         "--hidden_units=64", "--models=mlp", "--steps=2", "--repeats=1", "--num_replicas=2",
-        timeout=600, returncode=None,
+        timeout=900, returncode=None,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -108,3 +108,8 @@ def test_sharding_runs_and_reports():
     # On 2 logical CPUs, then across 2 worker processes.
     assert len(re.findall(r"^  (PASS|FAIL): sharded / unsharded = \d", out, re.M)) == 2, out
     assert "-- speed: 2 workers on localhost" in out
+    # Each worker's peak, training alone and then saving each way.
+    for run in ("training alone", ".weights.h5", ".keras"):
+        assert re.search(rf"^\| {re.escape(run)} \| \d+ \| \d+ \|$", out, re.M), out
+    assert re.search(r"^  Keras's in-memory .h5 of the .keras file's weights \(not counted\): \d+ MiB", out, re.M)
+    assert re.search(r"^  (PASS|FAIL): saving adds at most -?\d+ MiB to a worker's training peak", out, re.M)
