@@ -51,7 +51,9 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["memory", "speed", "workers", "saving"], "memory, speed, workers, saving.")
+flags.DEFINE_list(
+    "parts", ["memory", "speed", "workers", "saving"], "memory, speed, workers, saving."
+)
 flags.DEFINE_integer("num_workers", 2, "Worker processes of the workers part.")
 flags.DEFINE_integer("num_replicas", 4, "Logical CPU replicas.")
 flags.DEFINE_list("hidden_units", ["4096", "4096", "1024"], "The MLP's hidden widths.")
@@ -280,7 +282,8 @@ def saving_part():
             results[saving] = [
                 json.load(open(os.path.join(directory, f"worker{i}.json"))) for i in range(n)
             ]
-        print(f"| {saving} | " + " | ".join(f"{r['peak_rss_mib']:.0f}" for r in results[saving]) + " |")
+        peaks = " | ".join(f"{r['peak_rss_mib']:.0f}" for r in results[saving])
+        print(f"| {saving} | {peaks} |")
     largest = results[SAVINGS[0]][0]["largest_variable_mib"]
     in_memory = max(r["weights_file_mib"] for r in results[".keras"])
     trained = [r["peak_rss_mib"] for r in results["training alone"]]
@@ -288,8 +291,8 @@ def saving_part():
         saving: max(r["peak_rss_mib"] - t for r, t in zip(results[saving], trained))
         for saving in SAVINGS[1:]
     }
-    print(f"  Keras's in-memory .h5 of the .keras file's weights (not counted): {in_memory:.0f} MiB; "
-          f"the .keras peak above the .weights.h5 one: "
+    print(f"  Keras's in-memory .h5 of the .keras file's weights (not counted): "
+          f"{in_memory:.0f} MiB; the .keras peak above the .weights.h5 one: "
           f"{added['.keras'] - added['.weights.h5']:.0f} MiB")
     added[".keras"] -= in_memory
     worst = max(added.values())

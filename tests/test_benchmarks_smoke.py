@@ -111,5 +111,5 @@ def test_sharding_runs_and_reports():
     # Each worker's peak, training alone and then saving each way.
     for run in ("training alone", ".weights.h5", ".keras"):
         assert re.search(rf"^\| {re.escape(run)} \| \d+ \| \d+ \|$", out, re.M), out
-    assert re.search(r"^  Keras's in-memory .h5 of the .keras file's weights \(not counted\): \d+ MiB", out, re.M)
-    assert re.search(r"^  (PASS|FAIL): saving adds at most -?\d+ MiB to a worker's training peak", out, re.M)
+    assert re.search(r"^  Keras's in-memory .h5 of the .keras file's weights \(not counted\)", out, re.M)
+    assert re.search(r"^  (PASS|FAIL): saving adds at most -?\d+ MiB to a worker's", out, re.M)
