@@ -290,6 +290,7 @@ REFUSED = [
     ({"shard": True, "aggregation": "none"}, "aggregation NONE"),
     ({"shard": True, "compression": "powersgd"}, r"compression='powersgd' \(fp16, bf16 and int8 shard"),
     ({"agn": True, "accumulation": ACCUMULATION}, "takes no gradient_accumulation_steps"),
+    # AGN's inner optimizer steps locally (NONE), which does not shard.
     ({"agn": True, "shard": True}, "aggregation NONE"),
 ]
 
