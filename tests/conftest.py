@@ -51,4 +51,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs a GPU; skipped with the reason where none is visible"
     )
+    config.addinivalue_line(
+        "markers", "zoo_array: the model zoo's whole pairwise array (over an hour on 2 cores)"
+    )
 

@@ -292,6 +292,8 @@ REFUSED = [
     ({"agn": True, "accumulation": ACCUMULATION}, "takes no gradient_accumulation_steps"),
     # AGN's inner optimizer steps locally (NONE), which does not shard.
     ({"agn": True, "shard": True}, "aggregation NONE"),
+    # AGN takes the Keras optimizer and the commits' settings itself.
+    ({"agn": True, "wrapper": "distributed"}, "AGN wraps a Keras optimizer, not DistributedOptimizer"),
 ]
 
 # Pairs this suite has no reference for (not refusals): each says why.

@@ -110,7 +110,10 @@ def test_core_cell(cell, tmp_path):
     check_cell(cell, tmp_path)
 
 
+# Over an hour on 2 cores (keras.applications cells take minutes each):
+# outside CI's slow tier for now, run with -m zoo_array.
 @pytest.mark.slow
+@pytest.mark.zoo_array
 @pytest.mark.parametrize("cell", full_array(), ids=model_zoo.cell_id)
 def test_full_cell(cell, tmp_path):
     check_cell(cell, tmp_path)
