@@ -29,6 +29,11 @@ tests/test_behaviour_sweep.py runs the sweep and compares it with
 whole (`save`, `load`), about 300 kB. Compressing each of its ~1800 small
 arrays on its own, as `np.savez_compressed` does, makes it 4x larger.
 
+The recording names the machine it was made on (`machine`). Elsewhere
+tests/test_behaviour_sweep.py cannot compare bitwise with it, so it runs
+the code that made it (the last commit that changed the fixture, taken
+from git) on this machine and compares with that instead.
+
 Re-recording (about 3 minutes of CPU, 4 on a busy 2-core machine):
 
     python tests/behaviour_sweep.py --record
@@ -256,10 +261,30 @@ def load(path=FIXTURE):
         return dict(npz)
 
 
+def machine():
+    """What the numbers depend on besides tf_agn's code, as one string: the
+    versions of TensorFlow, Keras and numpy, and the CPU's vector
+    instruction sets (TensorFlow's kernels round differently with AVX-512
+    than with AVX2, and compressed configurations amplify that)."""
+    import tensorflow as tf
+
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            line = next((l for l in cpuinfo if l.startswith("flags")), "flags :")
+        flags = set(line.split(":", 1)[1].split())
+    vector = sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "sse4")))
+    return (
+        f"tensorflow {tf.__version__}, keras {keras.__version__}, numpy {np.__version__}, "
+        f"cpu {' '.join(vector) or 'unknown'}"
+    )
+
+
 def record(path=FIXTURE):
-    """Runs the whole sweep and writes it to `path`."""
+    """Runs the whole sweep and writes it to `path`, with the `machine`
+    it ran on under the key "machine"."""
     devices = tf_agn.strategies.split_cpu(NUM_DEVICES)
-    results = {}
+    results = {"machine": np.array(machine())}
     for transport in MIRRORED_TRANSPORTS:
         results.update(mirrored_sweep(transport, devices))
     with tempfile.TemporaryDirectory() as workdir:

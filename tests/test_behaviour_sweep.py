@@ -10,10 +10,14 @@ re-recording is allowed instead.
 
 The three sweeps (about a minute of CPU each, one of them on a 2-worker
 cluster) run once per test process, on the first test that needs each;
-`test_matches_the_recording` is marked slow.
+`test_matches_the_recording` is marked slow. On another machine than the
+recording's, the code that made it runs here too (`recording`).
 """
 
 import fnmatch
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,9 +37,50 @@ RELATIVE_TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def recording():
-    """The fixture's arrays, {"<transport>/<configuration>/<tensor>": array}."""
-    return behaviour_sweep.load(FIXTURE)
+def recording(tmp_path_factory):
+    """The fixture's arrays, {"<transport>/<configuration>/<tensor>": array};
+    on another machine than the recording's, those of the code that made
+    it, run here."""
+    arrays = behaviour_sweep.load(FIXTURE)
+    if str(arrays.pop("machine", "")) == behaviour_sweep.machine():
+        return arrays
+    return record_at(recording_commit(), tmp_path_factory.mktemp("recording_commit"))
+
+
+def recording_commit():
+    """The last commit that changed the fixture: the code that made it."""
+    root = FIXTURE.parents[2]
+    log = subprocess.run(
+        ["git", "-C", str(root), "log", "-1", "--format=%H", "--", str(FIXTURE)],
+        capture_output=True, text=True,
+    )
+    if log.returncode or not log.stdout.strip():
+        pytest.fail(
+            f"{FIXTURE.name} was recorded on another machine, and git cannot name "
+            f"the commit that made it to run here: {log.stderr.strip() or 'no history'}"
+        )
+    return log.stdout.strip()
+
+
+def record_at(commit, workdir):
+    """The sweep of `commit`'s code, recorded on this machine."""
+    root = FIXTURE.parents[2]
+    tree = workdir / "tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", commit], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    # `tf_agn.strategies` is the top-level strategies/ as setup.py installs it.
+    (tree / "tf_agn" / "strategies").symlink_to("../strategies")
+    out = workdir / "recording.npz.xz"
+    script = (
+        "import pathlib, sys; sys.path.insert(0, 'tests'); import behaviour_sweep; "
+        f"behaviour_sweep.record(pathlib.Path({str(out)!r}))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    subprocess.run([sys.executable, "-c", script], cwd=tree, env=env, check=True)
+    arrays = behaviour_sweep.load(out)
+    arrays.pop("machine", None)
+    return arrays
 
 
 @pytest.fixture(scope="module")
