@@ -122,8 +122,7 @@ class Aggregating(Communicating):
             )
         self._combining = False
         # Set while a `LossScaleOptimizer` steps (`apply_loss_scaled`).
-        self._loss_scale = None
-        self._combined_finite = None
+        self._loss_scale = self._combined_finite = None
 
     @property
     def resolved_aggregation(self):
@@ -195,16 +194,12 @@ class Aggregating(Communicating):
         )
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras clips and decays here, before the all-reduce; we do both
-        # once the gradients are combined (`_apply_combined`), and only
-        # where they are applied. A flag, read while the step is traced,
-        # rather than no-op hooks, so that the methods keep Keras's
-        # contract for other callers.
+        # Keras clips and decays before the all-reduce; we do both once the
+        # gradients are combined (`_apply_combined`), where they are applied.
+        # A flag read while tracing, so the hooks keep Keras's contract.
         self._combining = True
-        # Keras's `apply` takes any of the built variables, in any order.
-        # In the order built, every replica and worker sends the same
-        # values in the same order whatever order a call gives, and a call
-        # with every variable packs as the optimizer was built.
+        # Keras's `apply` takes any built variables in any order; sorted as
+        # built, every replica and worker sends the same values in one order.
         grads, trainable_variables = in_built_order(self, grads, trainable_variables)
         try:
             if self.gradient_accumulation_steps:
@@ -241,12 +236,8 @@ class Aggregating(Communicating):
         self._apply_combined(grads, trainable_variables, learning_rate, finite)
 
     def _apply_combined(self, grads, trainable_variables, learning_rate=None, finite=None):
-        """Decays, clips and updates with the replicas' combined `grads`.
-
-        Where `finite` (a scalar boolean tensor, the same on every replica)
-        is false, nothing changes and the step is not counted, as Keras's
-        `LossScaleOptimizer` skips a step with a non-finite gradient.
-        """
+        """Decays, clips and updates with the combined `grads`; where
+        `finite` (a tensor, alike on every replica) is false, skips the step."""
         learning_rate = self.learning_rate if learning_rate is None else learning_rate
 
         def apply():
@@ -266,30 +257,20 @@ class Aggregating(Communicating):
         super()._apply_weight_decay(variables)
 
     def checks_combined_finite(self):
-        """Whether a step tests the replicas' combined gradients for inf and
-        NaN and skips itself where they are not finite: where they travel
-        in a narrower float (a cast can overflow on the wire) or under
-        Keras's `LossScaleOptimizer` (`tf_agn.optimizers.loss_scaling`)."""
+        """Whether a step whose combined gradients are not finite is skipped:
+        with a cast (it can overflow on the wire) or under loss scaling."""
         return self._loss_scale is not None or isinstance(self.resolved_compression, Cast)
 
     def wire_loss_scale(self):
-        """The loss scale the gradients travel multiplied by: under
-        `LossScaleOptimizer`, with a cast, its scale (so that small
-        gradients keep their bits in float16, as PyTorch's fp16 hook sends
-        them); else None."""
+        """The loss scale a cast sends the gradients multiplied by, or None."""
         if isinstance(self.resolved_compression, Cast):
             return self._loss_scale
         return None
 
     def apply_loss_scaled(self, apply, loss_scale):
-        """Runs `apply()`, a `LossScaleOptimizer`'s step of this optimizer,
-        in replica context, under `loss_scale`.
-
-        Returns:
-            A scalar boolean tensor, the same on every replica: whether the
-            replicas' combined gradients were finite (else the step was
-            skipped, and the scale is to be lowered).
-        """
+        """Runs `apply()`, a `LossScaleOptimizer`'s step, under `loss_scale`;
+        returns whether the combined gradients were finite (a scalar
+        boolean tensor, the same on every replica)."""
         self._loss_scale, self._combined_finite = loss_scale, tf.constant(True)
         try:
             apply()

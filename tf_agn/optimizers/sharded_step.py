@@ -87,18 +87,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         optimizer._communication.record(pattern, nbytes, _both(when, condition))
     combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when)
     if when is not None or optimizer.checks_combined_finite():
-        # Whether any replica's part is not finite, agreed by all.
-        (non_finite,) = aggregate(
-            [tf.cast(tf.logical_not(all_finite(combined)), tf.float32)],
-            AggregationMethod.SUM, counter=optimizer._communication, when=when,
-        )
-        finite = tf.equal(non_finite, 0.0)
-        optimizer._combined_finite = finite if when is None else tf.logical_or(
-            tf.logical_not(when), finite
-        )
-        if when is None:
-            not_counted(optimizer, finite)
-        when = finite if when is None else tf.logical_and(when, finite)
+        when = _where_finite(optimizer, combined, when)
     parts = state.variables_at(indices)
 
     def step():
@@ -119,6 +108,22 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         for pack in _packs(state, indices, range(len(variables)))
     ]
     _run_if(when, lambda: _assign_gathered(state, gathered, variables, indices))
+
+
+def _where_finite(optimizer, parts, when):
+    """`when` (None: always), and where every replica's `parts` are finite,
+    agreed by one all-reduce; a step skipped so is not counted."""
+    (non_finite,) = aggregate(
+        [tf.cast(tf.logical_not(all_finite(parts)), tf.float32)],
+        AggregationMethod.SUM, counter=optimizer._communication, when=when,
+    )
+    finite = tf.equal(non_finite, 0.0)
+    if when is None:
+        optimizer._combined_finite = finite
+        not_counted(optimizer, finite)
+        return finite
+    optimizer._combined_finite = tf.logical_or(tf.logical_not(when), finite)
+    return tf.logical_and(when, finite)
 
 
 def _packs(state, indices, positions):
