@@ -17,6 +17,17 @@ def devices():
     return list(DEVICES)
 
 
+def stock_mirrored(devices=DEVICES):
+    """A stock `MirroredStrategy` to compare against. Its all-reduce goes
+    through one device: the default CPU collectives take group keys from 1,
+    as tf_agn's do, and two groups of different sizes under one key abort
+    whichever runs second in the same process."""
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
 # First: pytest-xdist's own hook ends the workers, and servers die with
 # their parent, so a check after it would miss every leak.
 @pytest.hookimpl(tryfirst=True)

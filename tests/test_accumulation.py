@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from conftest import stock_mirrored
 from conftest import NUM_REPLICAS
 from mlp import BATCH
 from mlp import LEARNING_RATE
@@ -307,7 +308,7 @@ def test_stock_keras_accumulation_under_mirrored_strategy():
     x, y = data(STEPS)
     model = fit(
         lambda: keras.optimizers.SGD(LEARNING_RATE, gradient_accumulation_steps=STEPS),
-        x, y, strategy=tf.distribute.MirroredStrategy(DEVICES),
+        x, y, strategy=stock_mirrored(),
     )
     reference = sgd_trajectory(
         initial_params(), x, y, "mean", NUM_REPLICAS, STEPS * BATCH, LEARNING_RATE

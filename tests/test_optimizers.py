@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from conftest import stock_mirrored
 from conftest import NUM_REPLICAS
 from mlp import BATCH
 from mlp import LEARNING_RATE
@@ -86,7 +87,7 @@ def test_distributed_optimizer_under_stock_cross_device_ops(method):
 
 def test_mean_equals_stock_keras():
     stock = fit_mlp(
-        tf.distribute.MirroredStrategy(DEVICES),
+        stock_mirrored(),
         lambda: keras.optimizers.SGD(LEARNING_RATE),
     )
     ours = fit_mlp(

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from conftest import stock_mirrored
 from tf_agn import _compat
 
 FEATURES, BATCH, STEPS = 8, 32, 4
@@ -149,5 +150,5 @@ def test_a_wrapped_adamw_spares_what_it_excludes_as_stock_keras_does(settings):
             lambda: _adamw(gradient_accumulation_steps=settings["gradient_accumulation_steps"]),
         )
     else:
-        _, want = _trained(tf.distribute.MirroredStrategy(DEVICES[:2]), _adamw)
+        _, want = _trained(stock_mirrored(DEVICES[:2]), _adamw)
     assert deviation(got, want, start) <= TOLERANCE
