@@ -357,6 +357,49 @@ def test_a_sharded_backup_of_a_dense_1_head_resumes_on_another_number_of_replica
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+class _Record(keras.callbacks.Callback):
+    """Every replica's copy of `variables` as training begins (after an
+    earlier callback's restore)."""
+
+    def __init__(self, variables):
+        super().__init__()
+        self.variables, self.copies = variables, None
+
+    def on_train_begin(self, logs=None):
+        self.copies = tf_agn.replica_weights(self.variables)
+
+
+def _batch_norm_model(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((restart_model.FEATURES,)),
+            keras.layers.Dense(8),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=_adam()(), loss="mse")
+    return model
+
+
+def test_batch_norm_statistics_resume_as_replica_0s_on_another_number_of_replicas(tmp_path):
+    """Keras keeps each replica's own moving statistics under
+    MirroredStrategy and saves replica 0's; a resized resume takes those."""
+    backup_dir = str(tmp_path / "backup")
+    first = _batch_norm_model(tf_agn.strategies.mirrored(DEVICES[:4]))
+    _fit(first, [tf_agn.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)], epochs=1)
+    statistics = first.layers[1].non_trainable_variables
+    backed_up = tf_agn.replica_weights(statistics)
+    assert not np.array_equal(backed_up[0][0], backed_up[1][0])  # the replicas' own
+    resumed = _batch_norm_model(tf_agn.strategies.mirrored(DEVICES[:2]))
+    record = _Record(resumed.layers[1].non_trainable_variables + resumed.trainable_variables)
+    _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir), record], epochs=1)
+    want = backed_up[0] + [v.numpy() for v in first.trainable_variables]
+    for replica in record.copies:
+        for got, expected in zip(replica, want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("compression", ["int8", "powersgd", "int8_sharded"])
 def test_a_resized_backup_keeps_the_sum_of_what_is_owed_and_warns_for_sum(tmp_path, compression):
     compressor = tf_agn.compression.PowerSGD(rank=1) if compression == "powersgd" else "int8"

@@ -6,14 +6,16 @@ optimizer's state) is restored as it was. Sharded optimizer state is joined
 from every old replica's part and shared out again over the new replicas.
 What each replica holds a share of (gradient accumulators, error
 feedback residuals, the metrics' totals) keeps its sum: each new replica
-takes the old replicas' sum divided by the new number.
+takes the old replicas' sum divided by the new number. Non-trainable
+weights that the replicas hold apart (BatchNorm's moving statistics) are
+replica 0's, as Keras's own `save` keeps them.
 
 A windowed optimizer (AGN and the others) resumes from its last committed
 window: every replica's weights are the center, its inner optimizer's step
 count goes back to that window's end, and its inner optimizer's state is
 the old replicas' mean. The local steps taken since are not committed and
-are dropped. Anything else that differs between replicas (aggregation
-NONE) is refused by name.
+are dropped. Trainable weights that differ between replicas (aggregation
+NONE) are refused by name.
 """
 
 import warnings
@@ -92,8 +94,12 @@ def restore(model, task_arrays, pointer, num_replicas):
         id(v): position[id(c)]
         for v, c in zip(model.trainable_variables, optimizer.center_variables)
     } if windowed else {}
+    trainable = {id(v) for v in model.trainable_variables}
     for index, variable in enumerate(weights):
-        variable.assign(_alike(copies(centers.get(id(variable), index)), variable.path))
+        old = copies(centers.get(id(variable), index))
+        # Under MirroredStrategy Keras keeps each replica's own BatchNorm
+        # statistics (aggregation NONE) and saves replica 0's: so does this.
+        variable.assign(_alike(old, variable.path) if id(variable) in trainable else old[0])
     if optimizer is not None:
         shapes = saving.saved_shapes(optimizer)
         within = saving.aggregating_within(optimizer)
