@@ -94,6 +94,29 @@ def test_weight_decay_exclusions_survive_wrapping(wrapper):
         assert decayed == [False, False, True], type(inner)
 
 
+SAVED_ADAMW = {
+    "drop-in": lambda: tf_agn.optimizers.AdamW(weight_decay=0.1),
+    **{name: lambda wrap=wrap: wrap(keras.optimizers.AdamW(weight_decay=0.1))
+       for name, wrap in WRAPPERS.items()},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SAVED_ADAMW))
+def test_excluded_names_survive_a_keras_file(kind, tmp_path):
+    """Keras leaves the exclusions out of the config, and a loaded (built)
+    optimizer cannot be told them again: tf_agn's config keeps the names."""
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    optimizer = SAVED_ADAMW[kind]()
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    model.compile(optimizer, "mse")
+    model.fit(*_data(), batch_size=BATCH, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    inner = getattr(loaded.optimizer, "inner_optimizer", loaded.optimizer)
+    kernel, bias = loaded.layers[0].kernel, loaded.layers[0].bias
+    assert [_compat.uses_weight_decay(inner, v) for v in (kernel, bias)] == [True, False]
+
+
 # Training: an AdamW that spares the biases, against stock Keras --------------
 
 

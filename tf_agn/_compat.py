@@ -82,7 +82,8 @@ From Keras:
   and `_exclude_from_weight_decay_cache`: what `exclude_from_weight_decay`
   was told, which `get_config` leaves out, so an optimizer rebuilt from its
   config would decay what the user excluded
-  (`copy_weight_decay_exclusions`, for the wrapped optimizers).
+  (`copy_weight_decay_exclusions`, for the wrapped optimizers;
+  `excluded_weight_decay_names`, which a saved config keeps).
 - `BaseOptimizer._backend_apply_gradients`, `_clip_gradients`,
   `_apply_weight_decay` and `_backend_update_step` as hooks, which
   `tf_agn.optimizers.Aggregating` overrides to clip after the all-reduce,
@@ -246,6 +247,14 @@ def copy_weight_decay_exclusions(source, target):
         source, "_exclude_from_weight_decay_pattern", None
     )
     target._exclude_from_weight_decay_cache = {}
+
+
+def excluded_weight_decay_names(optimizer):
+    """The pattern of names `optimizer` excludes from weight decay (its
+    `exclude_from_weight_decay(var_names=...)`, joined as Keras joins them),
+    or None."""
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    return None if pattern is None else pattern.pattern
 
 
 def uses_weight_decay(optimizer, variable):

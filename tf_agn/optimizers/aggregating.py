@@ -313,7 +313,13 @@ class Aggregating(Communicating):
         config["compression"] = compression_lib.serialize(self.compression)
         config["sparse_gradients"] = self.sparse_gradients
         config["shard_optimizer_state"] = self.shard_optimizer_state
-        return config
+        return saving.with_excluded_names(config, self)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return saving.restore_excluded_names(
+            lambda config: super(Aggregating, cls).from_config(config, custom_objects), config
+        )
 
 
 def in_built_order(optimizer, grads, variables):

@@ -179,3 +179,27 @@ def install():
     _compat.replace_loss_scale_methods(
         save_own_variables=_loss_scale_save, load_own_variables=_loss_scale_load
     )
+
+
+# Keras leaves `exclude_from_weight_decay` out of `get_config`, so a loaded
+# optimizer decays what the user excluded, and `exclude_from_weight_decay`
+# cannot be called again once loading has built it. The names are kept;
+# excluded variables (by id) cannot outlive the process.
+EXCLUDED_NAMES = "exclude_from_weight_decay_names"
+
+
+def with_excluded_names(config, optimizer):
+    """`config` with the names `optimizer` excludes from weight decay."""
+    names = _compat.excluded_weight_decay_names(optimizer)
+    return config if names is None else {**config, EXCLUDED_NAMES: names}
+
+
+def restore_excluded_names(make, config):
+    """`make(config)` with the names `with_excluded_names` kept in `config`
+    excluded from weight decay again."""
+    config = dict(config)
+    names = config.pop(EXCLUDED_NAMES, None)
+    optimizer = make(config)
+    if names is not None:
+        optimizer.exclude_from_weight_decay(var_names=[names])
+    return optimizer

@@ -110,6 +110,7 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         if not issubclass(self._wrapped_class, Aggregating):
             for setting in Aggregating.SETTINGS:
                 del config[setting]
+            config.pop(saving.EXCLUDED_NAMES, None)
         plain = self._wrapped_class.from_config(config)
         _compat.copy_weight_decay_exclusions(self.inner_optimizer, plain)
         return plain
@@ -117,10 +118,11 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
     def get_config(self):
         # The inner optimizer is serialized as the user's own class, so that
         # loading needs nothing but Keras and tf_agn.
-        return {
+        config = {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.plain_inner_optimizer()),
         }
+        return saving.with_excluded_names(config, self.inner_optimizer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -128,7 +130,7 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
         )
-        return cls(**config)
+        return saving.restore_excluded_names(lambda config: cls(**config), config)
 
 
 def check_wrappable(owner, optimizer, kwargs):
