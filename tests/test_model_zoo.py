@@ -23,13 +23,15 @@ from model_zoo import COLUMNS
 SAME_LAYOUT = 1e-5
 # Against a reference on one device (Keras's accumulation, replica 0's or
 # r's own rows, AGN's windows in numpy): the batch is summed in another
-# grouping, and the center in another precision.
+# grouping (the small models measure 0 but for accumulation).
 OTHER_LAYOUT = 1e-4
-# AGN against its windows simulated with Keras's optimizer per replica and
-# the commit in numpy: measured up to 8e-4 (text_gru, AdamW, NONE, a .keras
-# reload) and 4.3e-4 (MobileNetV3), above OTHER_LAYOUT; not yet isolated
-# between tf_agn's commit and the reference's.
-AGN_LAYOUT = 1e-3
+# BatchNorm in training mode after a convolution: a replica's step differs
+# from one device's in the last bits (measured 1.2e-8 on Conv2D →
+# BatchNormalization, on replica 0 only, reproducibly; 0 without either
+# layer; not isolated further). MobileNetV3's and EfficientNet's stacks of
+# them amplify it over 4 steps: measured 2.8e-4 (NONE), 3.4e-3 (AGN, SGD)
+# and 2.4e-2 (AGN, Lion, whose sign steps turn a last bit into a whole step).
+BATCH_NORM_OTHER_LAYOUT = 5e-2
 # mixed_float16 against one device with the global batch: float16 kernels'
 # gradients sum 16 rows at once where the replicas sum 8 (rounding 2^-11
 # of each partial sum, over a few steps).
@@ -54,18 +56,33 @@ COMPRESSION_BOUND = {
     # magnitude (and finiteness) is checked.
     "powersgd": 2.0,
 }
+# Lion steps by the sign of its momentum: an element whose compressed
+# gradient rounds to 0, across 0, or is delayed by error feedback steps
+# the other way or not at all, so Lion under any compressor can be off by
+# up to twice the whole change (measured 0.17 with fp16 on MobileNetV3,
+# 0.98 with int8 on EfficientNet): only finiteness and the order of
+# magnitude are checked.
+SIGN_STEP_BOUND = 2.0
+# MobileNetV3 and EfficientNet amplify any perturbation (see
+# BATCH_NORM_OTHER_LAYOUT): a compressor's rounding moves them about twice
+# as far as the small models (measured 0.17 with bf16 on AGN's commits).
+BATCH_NORM_AMPLIFICATION = 2.0
 
 
 def tolerance(cell):
-    if cell["agn"] or cell["accumulation"] or cell["aggregation"] not in ("mean", "sum"):
-        one_device_batch = cell["accumulation"] and cell["aggregation"] in ("mean", "sum")
-        if cell["policy"] == "mixed_float16" and one_device_batch:
-            base = MIXED_OTHER_LAYOUT
-        else:
-            base = AGN_LAYOUT if cell["agn"] else OTHER_LAYOUT
-    else:
-        base = SAME_LAYOUT
-    return base + COMPRESSION_BOUND[cell["compression"]]
+    compression = COMPRESSION_BOUND[cell["compression"]]
+    if cell["optimizer"] == "lion" and cell["compression"] is not None:
+        compression = SIGN_STEP_BOUND
+    elif cell["model"] in model_zoo.BATCH_NORM_TRAINING:
+        compression *= BATCH_NORM_AMPLIFICATION
+    if not (cell["agn"] or cell["accumulation"] or cell["aggregation"] not in ("mean", "sum")):
+        return SAME_LAYOUT + compression
+    one_device_batch = cell["accumulation"] and cell["aggregation"] in ("mean", "sum")
+    if cell["policy"] == "mixed_float16" and one_device_batch:
+        return MIXED_OTHER_LAYOUT + compression
+    if cell["model"] in model_zoo.BATCH_NORM_TRAINING:
+        return BATCH_NORM_OTHER_LAYOUT + compression
+    return OTHER_LAYOUT + compression
 
 
 def full_array():
@@ -115,13 +132,29 @@ def test_core_cell(cell, tmp_path):
     check_cell(cell, tmp_path)
 
 
-# Over an hour on 2 cores (keras.applications cells take minutes each):
-# outside CI's slow tier for now, run with -m zoo_array.
+# The whole array takes about 40 minutes on 2 cores: Keras alone traces an
+# EfficientNetB0 training step for about 30 s, on one device as on two, and
+# a cell traces up to four. CI's slow tier runs CI_CELLS (BatchNorm resumed
+# on another replica count; sharded, mixed precision and a .keras file);
+# the rest run with -m zoo_array.
+CI_CELLS = {
+    "mobilenet-adamw-drop_in-aggregation=only_first_replica-compression=fp16-checkpoint=backup",
+    "mobilenet-lion-distributed-aggregation=sum-shard-compression=fp16-steps_per_execution=2"
+    "-checkpoint=keras-policy=mixed_float16",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.zoo_array
-@pytest.mark.parametrize("cell", full_array(), ids=model_zoo.cell_id)
+@pytest.mark.parametrize("cell", [
+    pytest.param(cell, marks=() if model_zoo.cell_id(cell) in CI_CELLS else pytest.mark.zoo_array)
+    for cell in full_array()
+], ids=model_zoo.cell_id)
 def test_full_cell(cell, tmp_path):
     check_cell(cell, tmp_path)
+
+
+def test_the_ci_cells_are_in_the_array():
+    assert CI_CELLS <= {model_zoo.cell_id(cell) for cell in full_array()}
 
 
 def test_the_arrays_cover_every_valid_pair():
