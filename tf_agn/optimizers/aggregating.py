@@ -35,18 +35,13 @@ from tf_agn.replica_aggregation import gradient_scale
 
 
 class Aggregating(Communicating):
-    """Mixin that gives a Keras optimizer an `aggregation_method`.
+    """Mixin that gives a Keras optimizer tf_agn's gradient combining.
 
-    Every step, in replica context, an `Aggregating` optimizer applies
-    weight decay to each replica's copy; combines the replicas' gradients
-    with `aggregation_method` (MEAN is the mean of the per-replica
-    gradients, SUM their sum: Keras' 1/n loss scaling is undone); clips the
-    combined gradient, so that clipping sees what is applied; and runs the
-    optimizer's own `update_step` on each replica's copy. With NONE every
-    replica applies its own gradient and the copies drift apart (read them
-    with `tf_agn.replica_weights`). With `gradient_accumulation_steps=k`
-    the combining, clipping and update run once per k steps, on the
-    window (`tf_agn.optimizers.accumulation`).
+    Each step combines the replicas' gradients with `aggregation_method`
+    (Keras's 1/n loss scaling undone), then decays, clips and updates each
+    replica's copy with the combined gradient, so that clipping sees what
+    is applied. With NONE each replica applies its own gradient (read the
+    copies with `tf_agn.replica_weights`).
 
     Example:
 
@@ -56,34 +51,23 @@ class Aggregating(Communicating):
     ```
 
     Args:
-        aggregation_method: an `AggregationMethod` or its name. None (the
-            default) takes the `aggregation` of the strategy's
-            `tf_agn.AggregatingAllReduce` (see `tf_agn.strategies.mirrored`),
-            or MEAN under any other strategy.
-        compression: how gradients travel: "fp16", "bf16", "int8",
-            `tf_agn.compression.PowerSGD(rank=r)` or any `tf_agn.compression`
-            compressor; None (the default) takes the strategy's
-            `tf_agn.AggregatingAllReduce`'s, if any. Int8 and PowerSGD keep
-            per-replica error feedback state as optimizer variables.
-        sparse_gradients: None, or regular expressions (searched for in
-            `variable.path`) naming the variables whose gradients are
-            `tf.IndexedSlices` (e.g. `["words"]` for an `Embedding` named
-            "words"): they travel uncompressed, with no compressor state.
-        accumulation_reduction: with `gradient_accumulation_steps=k`, how a
-            replica's k micro-step gradients are combined: "mean" (default,
-            Keras' own: a step on a k times larger batch) or "sum" (k times
-            the gradient: divide the learning rate by k to compensate).
+        aggregation_method: an `AggregationMethod` or its name; None takes
+            the strategy's `tf_agn.AggregatingAllReduce` default, else MEAN.
+        compression: "fp16", "bf16", "int8" or a `tf_agn.compression`
+            compressor; None takes the strategy's.
+        sparse_gradients: regular expressions (searched in `variable.path`)
+            naming the variables whose gradients are `tf.IndexedSlices`;
+            they travel uncompressed.
+        accumulation_reduction: how `gradient_accumulation_steps` micro-step
+            gradients combine: "mean" (Keras's) or "sum".
         shard_optimizer_state: whether each of n replicas keeps and updates
-            1/n of the optimizer's state (ZeRO stage 1; see
-            `tf_agn.optimizers.sharding`), under tf_agn's strategies, for
-            element-wise optimizers, with SUM or MEAN.
-        *args, **kwargs: the Keras optimizer's own arguments, among them
-            `gradient_accumulation_steps` (None or an int >= 1).
+            1/n of the state (ZeRO-1; `tf_agn.optimizers.sharding`).
+        *args, **kwargs: the Keras optimizer's own.
 
     Raises:
-        ValueError: for a bad value of any argument above, or accumulation
-            with `use_ema`; when training, for a dense gradient of a
-            variable `sparse_gradients` names, or what cannot shard.
+        ValueError: for a bad value of any argument above, accumulation with
+            `use_ema`, or, when training, a dense gradient of a
+            `sparse_gradients` variable or what cannot shard.
     """
 
     # The constructor arguments this mixin adds to a Keras optimizer's.
