@@ -1,12 +1,8 @@
 """Gradient accumulation on every replica: k micro-steps, one exchange.
 
-With `gradient_accumulation_steps=k`, a tf_agn optimizer adds each
-micro-step's gradient to this replica's accumulators, sending nothing, and
-on the k-th combines the window across replicas once (1/k of the bytes) and
-applies it; a window that is not finite is skipped. The window is the mean
-of the k micro-steps (`accumulation_reduction="mean"`, the default: with
-MEAN, one step on a k times larger batch) or their sum ("sum": divide the
-learning rate by k for the same step size).
+With `gradient_accumulation_steps=k` each replica sums its micro-step
+gradients locally and the k-th micro-step combines and applies the window,
+their mean (`accumulation_reduction="mean"`) or sum ("sum").
 
 ```python
 model.compile(
@@ -31,17 +27,7 @@ ACCUMULATION_REDUCTIONS = ("mean", "sum")
 
 
 def check_accumulation_steps(steps):
-    """Validates `gradient_accumulation_steps`.
-
-    Args:
-        steps: None, or an int >= 1.
-
-    Returns:
-        `steps`, with 1 (apply every step) given as None, Keras' spelling.
-
-    Raises:
-        ValueError: if `steps` is not None nor an int >= 1.
-    """
+    """`steps` (None or an int >= 1), with 1 as None, Keras' spelling."""
     if steps is None:
         return None
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -53,14 +39,7 @@ def check_accumulation_steps(steps):
 
 
 def check_accumulation_reduction(reduction):
-    """Validates `accumulation_reduction`.
-
-    Returns:
-        `reduction`, lower-cased.
-
-    Raises:
-        ValueError: if it is not "mean" or "sum".
-    """
+    """`reduction` ("mean" or "sum"), lower-cased."""
     name = reduction.lower() if isinstance(reduction, str) else reduction
     if name not in ACCUMULATION_REDUCTIONS:
         raise ValueError(
@@ -71,27 +50,14 @@ def check_accumulation_reduction(reduction):
 
 
 def add_accumulator(optimizer, reference_variable, method):
-    """A replica-local, zero-initialized accumulator for `reference_variable`.
-
-    Args:
-        optimizer: the Keras optimizer that owns it.
-        reference_variable: the model variable it accumulates for.
-        method: the optimizer's `AggregationMethod`.
-
-    Returns:
-        A `keras.Variable`.
-    """
-    # Each replica sums its own micro-batches (`on_read`). Read across
-    # replicas, as when a model is saved, they give the mean (replica 0's
-    # under ONLY_FIRST_REPLICA and NONE), which is all the combined window
-    # depends on: training resumed from a `.keras` file mid-window applies
-    # the same step as uninterrupted training.
+    """A replica-local, zero-initialized accumulator for `reference_variable`."""
+    # Read across replicas (as when saved) the accumulators give their mean,
+    # all the combined window depends on, so a mid-window resume is exact.
     if method in (AggregationMethod.SUM, AggregationMethod.MEAN):
         aggregation = "mean"
     else:
         aggregation = "only_first_replica"
-    # Named as Keras names its own, so that the optimizer's variables line
-    # up with those of Keras' optimizer of the same class.
+    # Keras' own name, so the variables line up with Keras' optimizer's.
     name = _compat.reference_variable_name(
         reference_variable, _compat.KERAS_ACCUMULATOR_NAME
     )
@@ -112,19 +78,11 @@ def add_accumulator(optimizer, reference_variable, method):
 def accumulate_and_apply(optimizer, grads, variables, apply_window):
     """One micro-step of gradient accumulation, in replica context.
 
-    Args:
-        optimizer: a `tf_agn.optimizers.Aggregating` optimizer with
-            `gradient_accumulation_steps` set.
-        grads: this replica's gradients for `variables`.
-        variables: the trainable variables.
-        apply_window: `apply_window(grads, variables)` decays, clips and
-            updates with the combined window gradient, locally (where the
-            optimizer's state is sharded, `apply_sharded` does all).
+    `apply_window(grads, variables)` applies the combined window locally
+    (unused where the state is sharded: `apply_sharded` does all).
     """
-    # Keras' own accumulation fails under a strategy (keras-team/keras#20582):
-    # it all-reduces every micro-step and updates the accumulators through
-    # `merge_call` inside a `tf.cond`, which tf.distribute does not allow.
-    # Here everything runs in replica context and only the window travels.
+    # Keras' own accumulation calls `merge_call` inside a `tf.cond`, which
+    # tf.distribute rejects (keras-team/keras#20582).
     steps = optimizer.gradient_accumulation_steps
     is_last = tf.equal((_compat.micro_step(optimizer) + 1) % steps, 0)
     accumulators = [_compat.accumulator_of(optimizer, v) for v in variables]
@@ -145,7 +103,6 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         apply_sharded(optimizer, window, variables, scale, is_last)
         tf.cond(is_last, reset, accumulate)
         return
-    # Sends only on the k-th micro-step (`when`).
     wire_scale = optimizer.wire_loss_scale()
     combined = aggregate(
         loss_scaled(window, wire_scale),
@@ -156,10 +113,7 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
         **optimizer.compression_arguments(variables),
     )
     combined = loss_scaled(combined, wire_scale, inverse=True)
-    # Not finite: some replica's gradient overflowed in some micro-step, or
-    # their sum on the wire; the whole window is skipped. (Under mixed
-    # precision Keras's LossScaleOptimizer already drops a micro-step that
-    # overflows on some replica, see `tf_agn.optimizers.loss_scaling`.)
+    # A window that overflowed anywhere, or on the wire, is skipped whole.
     finite = all_finite(combined)
     optimizer._combined_finite = tf.logical_or(tf.logical_not(is_last), finite)
 

@@ -10,17 +10,11 @@ from tf_agn.optimizers.windowed import WindowedOptimizer
 class AGN(WindowedOptimizer):
     """Accumulated Gradient Normalization (Hermans et al., 2017).
 
-    Every replica or worker takes `local_steps` = λ steps from the center
-    θ_c it pulled, then commits its change averaged over the window,
-    Δ = (θ − θ_c) / λ, which the server adds: θ_c ← θ_c + Δ.
-
-    Synchronously (`MirroredStrategy`) the replicas' Δ_r are combined with
-    `aggregation_method` once per window and `outer_optimizer` applies the
-    result; with outer Nesterov momentum this is DiLoCo (Douillard et al.,
-    2023), and with λ = 1, an SGD(η) inner optimizer, the default outer
-    optimizer and MEAN, synchronous SGD(η). Asynchronously
-    (`tf_agn.strategies.fit` under `ParameterServerStrategy`) each commit
-    is applied as it arrives.
+    Every replica or worker takes λ = `local_steps` steps from the center
+    θ_c, then commits Δ = (θ − θ_c) / λ. Synchronously the replicas' Δ are
+    combined once per window and `outer_optimizer` applies the result (with
+    outer Nesterov momentum, DiLoCo); asynchronously
+    (`tf_agn.strategies.fit`) each commit is applied as it arrives.
 
     Example:
 
@@ -37,21 +31,17 @@ class AGN(WindowedOptimizer):
 
     Args:
         optimizer: the inner Keras optimizer; default `Adam()`, the paper's.
-        local_steps: λ, the local steps per window; default 12 (the paper's
-            heuristic is λ ≈ (workers + layers) / 2).
-        aggregation_method: how replicas' Δ_r are combined synchronously; default
-            MEAN.
-        outer_optimizer: applies the combined Δ to the center; default
-            `SGD(1.0)`.
+        local_steps: λ, the local steps per window (the paper suggests
+            λ ≈ (workers + layers) / 2).
+        aggregation_method: how replicas' Δ are combined synchronously.
+        outer_optimizer: applies the combined Δ; default `SGD(1.0)`.
         normalize: whether Δ is divided by λ; False is DOWNPOUR's commit.
         reset_inner_state: whether the inner optimizer's state is cleared at
             every commit.
         staleness_scaling: whether the server scales a commit τ commits
-            stale by min(1, λ / (τ + 1)), which helps when asynchronous
-            workers outnumber λ; default False, the paper's AGN.
+            stale by min(1, λ / (τ + 1)); for more asynchronous workers than λ.
         name: the optimizer's name.
-        compression: how each commit's Δ travels, synchronously and to a
-            parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
+        compression: how each commit's Δ travels.
         **kwargs: more arguments of `tf_agn.optimizers.WindowedOptimizer`.
 
     Raises:
@@ -87,10 +77,7 @@ class AGN(WindowedOptimizer):
 
     def commit_delta(self, local, reference):
         """Δ = (θ − θ_ref) / λ, or θ − θ_ref with `normalize=False`."""
-        # Dividing by λ makes a commit weigh like one well-informed step
-        # whatever λ is, which keeps stale commits from many asynchronous
-        # workers from overshooting (DOWNPOUR's undivided commit diverges as
-        # workers are added).
+        # Dividing by λ keeps many workers' stale commits from overshooting.
         delta = super().commit_delta(local, reference)
         if not self.normalize:
             return delta
@@ -100,15 +87,9 @@ class AGN(WindowedOptimizer):
         """1, or min(1, λ / (staleness + 1)) with `staleness_scaling`."""
         if not self.staleness_scaling:
             return super().commit_scale(staleness)
-        # Ours, not the paper's. With n asynchronous workers a commit is about
-        # τ = n − 1 commits stale, and a round of n commits moves the center
-        # by about n normalized steps, computed from centers up to n − 1
-        # commits old: once n exceeds λ that overshoots (MNIST, Adam(1e-3),
-        # n = 20, λ = 10: 0.39 test accuracy, where n = 10 reaches 0.93 and
-        # staleness-scaled AGN 0.91; benchmarks/README.md). The factor caps
-        # a round's movement at about λ steps: the paper's advice to grow λ
-        # with n (λ ≈ (n + layers) / 2), applied by the server. Commits less
-        # than λ stale, and every synchronous commit, are unchanged.
+        # Ours, not the paper's: n workers' commits are about n − 1 stale and
+        # a round moves the center about n steps, which overshoots once n > λ
+        # (benchmarks/README.md); this caps a round at about λ steps.
         return ops.minimum(
             1.0,
             ops.divide(
