@@ -1,32 +1,16 @@
 """`Int8`: values travel as 8-bit integers with a float32 scale per chunk.
 
-A sum of int8 values with different scales has no int8 answer, and an int8
-sum of 8 replicas' values overflows. So the sum is never taken in int8:
-each pack is reduced as a ring all-reduce is, reduce-scatter then
-all-gather, with the reduce-scatter built from an all-to-all (TensorFlow's
-CPU collectives have no reduce-scatter):
+The sum is never taken in int8 (different scales; overflow past a few
+replicas): each pack is reduced as a ring all-reduce is. Every replica
+quantizes its pack plus residual and sends part j to replica j (an
+all-to-all: TensorFlow's CPU collectives have no reduce-scatter); replica
+j sums its n copies in float32 and quantizes the sum (that error joins its
+residual); the quantized sums are all-gathered. Every replica ends with
+the same bits.
 
-1. every replica adds its residual to its pack, splits it into one part
-   per replica, quantizes it, and sends part j to replica j (all-to-all);
-2. replica j dequantizes the n copies of its part, sums them in float32,
-   and quantizes the sum (a second rounding, whose error joins replica j's
-   residual for its part);
-3. every replica's quantized sum travels to every replica (all-gather),
-   which dequantizes it.
-
-Each replica sends about a quarter of float32's bytes, twice, as a ring
-all-reduce of float32 sends its whole volume twice. Every replica ends
-with the same bits, so the replicas' weights stay equal.
-
-Quantization is symmetric, per chunk of `chunk_size` elements: scale =
-max |x| / 127 and q = round(x / scale), so |q| <= 127. An element's
-rounding error is at most scale / 2, 1/254 of its chunk's largest
-magnitude. A non-finite element makes its chunk NaN, so the step's result
-is not finite and Keras' `LossScaleOptimizer` (or gradient accumulation)
-skips it.
-
-TensorFlow's collectives do not carry int8: four codes travel as one
-int32, and the chunk scales as their float32 bits, in the same buffer.
+Quantization is symmetric per chunk: scale = max |x| / 127. A non-finite
+element makes its chunk NaN, so the step is skipped as non-finite.
+TensorFlow's collectives do not carry int8: four codes travel as one int32.
 """
 
 import collections
@@ -49,8 +33,7 @@ class Int8(ErrorFeedbackCompressor):
 
     Args:
         chunk_size: the elements that share one float32 scale; a multiple
-            of 4. Smaller chunks round finer and send more scales (4 bytes
-            per chunk: 0.8% more bytes at the default 512).
+            of 4. Smaller chunks round finer and send more scales.
         error_feedback: see `tf_agn.compression.ErrorFeedbackCompressor`.
         start_step: see `tf_agn.compression.ErrorFeedbackCompressor`.
 
@@ -78,21 +61,13 @@ class Int8(ErrorFeedbackCompressor):
         return {"residual": StateSpec(shape, "zeros", owed=True)}
 
     def wire_bytes(self, shape, dtype):
-        """A code per element and a float32 scale per chunk: what `encode`
-        sends for one value, and without the padding that `combine` gives
-        its packs (`payload_bytes`)."""
+        """A code per element and a float32 scale per chunk, unpadded."""
         elements = shape.num_elements()
         return elements + 4 * -(-elements // self.chunk_size)
 
     def payload_bytes(self, shapes, num_replicas, bytes_per_pack):
-        """What each replica puts in `combine`'s all-to-all: every pack's
-        codes, padded so that each replica's part is whole chunks, and a
-        float32 scale per chunk. (Its all-gather then sends its own part of
-        each pack to every other replica: about as many bytes again, as a
-        ring all-reduce sends its payload twice.)
-
-        For example, one pack of 1000 values among 4 replicas, in chunks of
-        512, is padded to 4 parts of 512 codes:
+        """What each replica puts in `combine`'s all-to-all: codes padded to
+        whole chunks per part, and a float32 scale per chunk.
 
         ```python
         int8 = tf_agn.compression.Int8(chunk_size=512)
@@ -117,8 +92,6 @@ class Int8(ErrorFeedbackCompressor):
         padded = -(-length // self.chunk_size) * self.chunk_size
         flat = tf.pad(flat, [[0, padded - length]])
         codes, scales = quantize(tf.reshape(flat, [-1, self.chunk_size]))
-        # The padding's codes are 0 and do not travel: `wire_bytes` is
-        # what the payload holds.
         payload = (tf.reshape(codes, [-1])[:length], scales)
         if not self.error_feedback:
             return payload, {}
@@ -150,8 +123,6 @@ class Int8(ErrorFeedbackCompressor):
                     wire, error = self._quantized(flat, layout.parts, jit_compile, device)
                 wires.append(wire)
                 worker_errors.append(error)
-            # The sum is never taken in int8: each replica dequantizes the
-            # copies of its part it receives and sums them in float32.
             sum_part = compiled(_sum_part, jit_compile, devices[0])
             totals = transport.reduce_scatter(
                 wires, sum_parts=lambda received: sum_part(received, layout)
@@ -165,8 +136,7 @@ class Int8(ErrorFeedbackCompressor):
             gathered = transport.all_gather(rows)
             for r, device in enumerate(devices):
                 with tf.device(device):
-                    # TensorFlow's own split hands out pieces of a buffer
-                    # without copying them, where XLA's would copy.
+                    # TensorFlow's split does not copy; XLA's would.
                     flat = compiled(_dequantize_wire, jit_compile, device)(gathered[r], layout)
                     tensors = _split(flat, shapes)
                     if self.error_feedback:
@@ -181,18 +151,9 @@ class Int8(ErrorFeedbackCompressor):
         return combined, new_states
 
     def encode_rows(self, rows, residual_rows=None):
-        """One replica's rows for a reduce-scatter, in replica context: row
-        j, for replica j, plus its residual, quantized in chunks of its own.
-
-        Args:
-            rows: a float32 tensor [n, length].
-            residual_rows: None, or this replica's residual, as `rows`.
-
-        Returns:
-            `(wire, error)`: an int32 buffer of n rows for an all-to-all,
-            and what quantization dropped, as `rows` (None without error
-            feedback).
-        """
+        """`(wire, error)` for a reduce-scatter in replica context: `rows`
+        ([n, length] float32, row j for replica j) plus `residual_rows`,
+        quantized as an int32 buffer, and what that dropped (or None)."""
         layout = self.rows_layout(*rows.shape)
         if residual_rows is not None:
             rows += residual_rows
@@ -211,8 +172,7 @@ class Int8(ErrorFeedbackCompressor):
         return _sum_part(received, layout)[:length]
 
     def rows_layout(self, num_rows, length):
-        """How `encode_rows` pads n rows of `length`: each to whole chunks.
-        Its `wire_bytes` is what one replica sends."""
+        """How `encode_rows` pads n rows of `length`: each to whole chunks."""
         padded = -(-length // self.chunk_size) * self.chunk_size
         return _Layout(num_rows * padded, num_rows, self.chunk_size)
 
@@ -241,15 +201,12 @@ class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size"
 
     @property
     def wire_bytes(self):
-        """The bytes of one replica's buffer: the padded codes, and a
-        float32 scale per chunk (`_to_wire`)."""
+        """The bytes of one replica's buffer: codes and scales."""
         return self.padded + 4 * self.parts * self.chunks_per_part
 
 
 def _plan(sizes, parts, chunk_size, bytes_per_pack):
-    """The packs of values of `sizes` (`(dtype, num_elements)` pairs), each
-    as its indices and its `_Layout` among `parts` replicas: its padded
-    length is a multiple of every part's chunks."""
+    """The packs of values of `sizes`, each as its indices and `_Layout`."""
     return [
         (pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size))
         for pack in packing.plan_packs(sizes, bytes_per_pack)
@@ -258,25 +215,18 @@ def _plan(sizes, parts, chunk_size, bytes_per_pack):
 
 def quantize(chunks):
     """Symmetric int8 codes (within ±127) and float32 scales of `chunks`
-    ([n, chunk]); a scale is at least the smallest normal float32.
-
-    A chunk with a non-finite element gets a NaN scale (and zero codes):
-    a maximum may skip NaN, and a NaN cast to int8 is undefined, so without
-    this a NaN gradient could arrive as a finite number.
-    """
-    # A non-finite element counts as an infinite magnitude, so that one
-    # pass over the chunks finds both their scales and which are finite.
+    ([n, chunk]); a chunk with a non-finite element gets a NaN scale."""
+    # Non-finite counts as infinite: a maximum may skip NaN, and a NaN cast
+    # to int8 is undefined, so a NaN could otherwise arrive finite.
     magnitudes = tf.reduce_max(
         tf.where(tf.math.is_finite(chunks), tf.abs(chunks), float("inf")), axis=1
     )
     finite = tf.math.is_finite(magnitudes)
-    # TensorFlow flushes subnormal floats to zero on CPUs: a step below the
-    # smallest normal float would be 0, and its chunk's values lost.
+    # TensorFlow flushes subnormal floats to zero on CPUs.
     steps = tf.maximum(magnitudes / _LEVELS, np.finfo(np.float32).tiny)
     scales = tf.where(finite, steps, float("nan"))
     codes = tf.where(finite[:, None], tf.round(chunks / scales[:, None]), 0.0)
-    # The cast to int8 wraps what exceeds it (a subnormal step, where
-    # subnormals are kept, can give 128).
+    # The cast to int8 wraps (a kept subnormal step can give 128).
     return tf.cast(tf.clip_by_value(codes, -_LEVELS, _LEVELS), tf.int8), scales
 
 
@@ -303,10 +253,8 @@ def _from_wire(wire, layout):
     )
 
 
-# Each step below is its own XLA call, although one call could hold them
-# all: XLA's CPU fusion recomputes a fused concatenation, and a fused
-# reduction, inside each of their consumers, which made one call about
-# 1.5x slower than several (75 against 48 ms to encode a 24M-element pack).
+# Each step below is its own XLA call: XLA's CPU fusion recomputes a fused
+# concatenation or reduction in each consumer (one call was 1.5x slower).
 
 
 def _pack(tensors, residuals, scale, layout):
@@ -343,11 +291,8 @@ def _dequantize_wire(gathered, layout):
 
 
 def _error(worker_error, owner_error, rank, layout):
-    """The new residuals, flat: what this replica's quantization dropped,
-    plus what the second quantization dropped of the part it reduced."""
-    # A select of one row rather than a pad at rank * part_length: the rank
-    # is a tensor in replica context (`ReplicaTransport`), and XLA pads only
-    # by constants. The other parts get +0, as from a pad.
+    """The new residuals, flat: both quantizations' errors."""
+    # A select, not a pad: the rank may be a tensor, and XLA pads by constants.
     mine = tf.equal(tf.range(layout.parts), tf.cast(rank, tf.int32))[:, None]
     owner = tf.where(mine, owner_error[None, :], 0.0)
     return worker_error + tf.reshape(owner, [-1])

@@ -1,34 +1,19 @@
 """`PowerSGD`: low-rank gradients by one power iteration per step.
 
-Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
-Compression for Distributed Optimization" (NeurIPS 2019), Algorithms 1
-and 2, with Q orthonormalized before use as PyTorch's PowerSGD hook does.
-Each gradient of rank >= 2 is seen as a matrix M (its last axis the
-columns: a Dense kernel as it is, a Conv2D kernel as
-(height * width * in) x out), plus this replica's residual e. With Q
-(cols x r) kept from the previous step (a warm start):
+Vogels, Karimireddy and Jaggi (NeurIPS 2019), Algorithms 1 and 2, with Q
+orthonormalized before use as PyTorch's hook does. Each gradient of rank
+>= 2 is a matrix M (its last axis the columns), plus this replica's
+residual e; Q (cols x r) is warm-started from the previous step:
 
     M = g + e
-    P = M orthonormalize(Q);   all-reduce P (sum over replicas)
+    P = M orthonormalize(Q);   all-reduce P
     P^ = orthonormalize(P)
-    Q_w = M^T P^;              all-reduce Q (sum over replicas)
-    applied = P^ Q^T           = P^ P^T (sum over replicas of M_w)
-    e = M - P^ Q_w^T           (what this replica's projection dropped)
+    Q_w = M^T P^;              all-reduce Q
+    applied = P^ Q^T
+    e = M - P^ Q_w^T
 
-and Q is kept for the next step. `orthonormalize` is a Householder QR,
-XLA-compiled, of columns scaled to their largest magnitude: P^ is
-orthonormal whatever the gradient's rank or scale, so `applied` is the
-orthogonal projection of the summed M onto span(P^). When the summed M
-has rank <= r, that projection is exact. A column that a degenerate step
-(a gradient with one nonzero row, say) leaves dependent gets a new
-direction, so the next steps have their full rank again.
-
-A 4096 x 4096 kernel sends 2 * 4096 * r floats instead of 4096^2: 512x
-fewer at rank 4. Vectors (biases), and matrices too small to gain
-`min_compression_rate`, travel uncompressed in the first all-reduce. All
-replicas end with the same P^ and Q, so their weights stay equal. Q
-starts as the same pseudo-random matrix on every replica of every worker
-(a fixed seed).
+Vectors, and matrices too small to gain `min_compression_rate`, travel
+uncompressed in the first all-reduce.
 """
 
 import keras
@@ -47,8 +32,7 @@ class PowerSGD(ErrorFeedbackCompressor):
     Args:
         rank: r, the rank of each compressed gradient; an int >= 1.
         min_compression_rate: compress a matrix only if it sends this many
-            times fewer floats (rows * cols / ((rows + cols) * rank)); as
-            PyTorch's PowerSGD hook, 2 by default.
+            times fewer floats (rows * cols / ((rows + cols) * rank)).
         error_feedback: see `tf_agn.compression.ErrorFeedbackCompressor`.
         start_step: see `tf_agn.compression.ErrorFeedbackCompressor`.
         seed: the seed of the first Q, the same on every worker.
@@ -94,18 +78,13 @@ class PowerSGD(ErrorFeedbackCompressor):
             return tf.random.stateless_normal(shape, seed=[seed, 0], dtype=dtype)
 
         rows, cols = matrix
-        # Q is kept and sent transposed ([r, cols]): XLA's CPU dot reads a
-        # large operand transposed about six times slower than as it lies,
-        # and it rewrites a transpose of a product into such a dot; with
-        # Q^T every product reads M as it lies (M Q, P^T M, P Q^T).
+        # Q is kept transposed ([r, cols]): XLA's CPU dot reads a large
+        # transposed operand about six times slower, so every product reads M
+        # as it lies.
         spec = {"powersgd_q": StateSpec((self.rank, cols), first_q)}
         if self.error_feedback:
-            # The residual M - P^ Q_w^T, kept as its factors: the next step
-            # computes g + (M - P^ Q_w^T) inside the pass that adds the
-            # gradient, where writing e out would cost a pass over the
-            # gradients (read M, write e) on every step.
-            # M - P^ Q_w^T is linear in M and Q_w, this replica's own, with
-            # P^ alike on every replica.
+            # The residual M - P^ Q_w^T is kept as its factors, saving a pass
+            # over the gradients per step; it is linear in M and Q_w (owed).
             spec["powersgd_m"] = StateSpec(shape, "zeros", owed=True)
             spec["powersgd_p"] = StateSpec((rows, self.rank), "zeros")
             spec["powersgd_local_q"] = StateSpec((self.rank, cols), "zeros", owed=True)
@@ -198,8 +177,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                     plan,
                     self.rank,
                 )
-                # Built outside XLA, whose outputs are copies: M becomes
-                # the state as `_project` wrote it.
+                # Outside XLA, whose outputs are copies.
                 local_qs = _split_second(seconds[r], plan, self.rank)
                 compressed = iter(zip(qs, matrices[r], bases[r], local_qs))
                 replica_states = []
@@ -218,30 +196,17 @@ class PowerSGD(ErrorFeedbackCompressor):
 
 
 def orthonormalize(matrix):
-    """An orthonormal basis whose first k columns span `matrix`'s first k
-    columns, for every k: the Q of the thin QR decomposition of `matrix`
-    ([rows, r], rows >= r), with R's diagonal made non-negative, as
-    Gram-Schmidt's.
-
-    Whatever `matrix`'s rank, every column of the result has norm 1: a
-    column that depends on the earlier ones gets a new direction, orthogonal
-    to them, instead of becoming 0.
-    """
-    # Scaling each column by its largest magnitude changes no span, and
-    # keeps the squared norms that QR computes inside float32: gradient
-    # elements of 1e-30 would underflow to a zero norm, 1e20 overflow.
+    """The thin QR's Q of `matrix` ([rows, r], rows >= r), R's diagonal made
+    non-negative: every column has norm 1, whatever `matrix`'s rank."""
+    # Scaled per column so that QR's squared norms neither underflow nor overflow.
     peak = tf.reduce_max(tf.abs(matrix), axis=0)
     q, r = tf.linalg.qr(matrix / tf.where(peak > 0, peak, tf.ones_like(peak)))
-    # Householder QR (XLA's expander, on every backend) keeps Q orthonormal
-    # to rounding even for a rank-deficient input, where one pass of
-    # Gram-Schmidt with a guarded division lost orthogonality (|P^T P - I|
-    # of 0.7 on a rank-1 gradient) and left dead columns at 0 for good.
+    # Householder QR stays orthonormal on rank-deficient input; Gram-Schmidt did not.
     return q * tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)
 
 
 def orthonormal_rows(q):
-    """`q` ([r, cols], Q as the state keeps it) with orthonormal rows that
-    span its rows, as `orthonormalize` makes columns."""
+    """`q` ([r, cols]) with orthonormal rows, as `orthonormalize` makes columns."""
     return tf.transpose(orthonormalize(tf.transpose(q)))
 
 
@@ -271,10 +236,7 @@ def _factors(m, basis, local_q, shape):
 
 def _project(values, states, scale, plan):
     """The first buffer (every P = M Q, then the uncompressed values, flat),
-    and the compressed values' matrices M, kept so that later passes read
-    M once instead of adding value and residual again (and kept as the
-    next step's residual factor).
-    """
+    and the matrices M, which later passes read."""
     pieces, kept = [], []
     for value, state, (_, matrix) in zip(values, states, plan):
         if not matrix:
@@ -295,8 +257,7 @@ def _ordered(pieces, plan):
 
 
 def _split_first(summed, plan, rank):
-    """The summed first buffer as the P's (matrices) and the uncompressed
-    values, in `plan`'s order."""
+    """The summed first buffer as P's and uncompressed values, in `plan`'s order."""
     compressed = [(matrix[0], rank) for _, matrix in plan if matrix]
     uncompressed = [shape for shape, matrix in plan if not matrix]
     sizes = [r * c for r, c in compressed] + [int(np.prod(s)) for s in uncompressed]
@@ -326,13 +287,8 @@ def _split_second(second, plan, rank):
 
 
 def _reconstruct(summed_first, summed_second, bases, old_qs, plan, rank):
-    """Every replica's result, the Q's to keep, and whether the result is
-    finite (`_finite`).
-
-    Returns:
-        `(tensors, qs, finite)`: the combined values; the Q to keep for
-        each compressed value; a scalar boolean.
-    """
+    """`(tensors, qs, finite)`: the combined values, the Q's to keep, and
+    whether the result is finite."""
     parts = _split_first(summed_first, plan, rank)
     summed_qs = _split_second(summed_second, plan, rank)
     finite = _finite(parts, bases, summed_qs)
@@ -349,16 +305,9 @@ def _reconstruct(summed_first, summed_second, bases, old_qs, plan, rank):
 
 
 def _finite(parts, bases, qs):
-    """Whether every combined value is finite, from the small buffers: the
-    summed first buffer's `parts`, the orthonormal `bases` and the summed
-    `qs`.
-
-    No element of P^ Q^T exceeds the sum of |Q| down its column (P^'s
-    columns have norm 1), so a finite sum, with a margin, bounds it. Where
-    this says False the compressed results are made NaN (`_reconstruct`),
-    so it is exact either way, and it reads no buffer as large as the
-    gradients.
-    """
+    """Whether every combined value is finite, read from the small buffers."""
+    # No element of P^ Q^T exceeds the sum of |Q| down its column (P^'s
+    # columns have norm 1), so a finite doubled sum bounds it.
     checks = [tf.reduce_all(tf.math.is_finite(part)) for part in parts]
     checks += [tf.reduce_all(tf.math.is_finite(basis)) for basis in bases]
     checks += [tf.reduce_all(tf.math.is_finite(2 * tf.reduce_sum(tf.abs(q), 0))) for q in qs]
@@ -366,14 +315,11 @@ def _finite(parts, bases, qs):
 
 
 def low_rank(basis, q):
-    """P^ Q^T from `basis` ([rows, r]) and Q^T (`q`, [r, cols]), written as
-    r broadcast products that XLA fuses into the elementwise pass that
-    consumes them: a dot would write the rows x cols product out first,
-    and `M - P^ Q^T` would read it back."""
+    """P^ Q^T from `basis` ([rows, r]) and Q^T (`q`, [r, cols])."""
+    # Broadcast products, not a dot, so that XLA fuses them into the consumer.
     return tf.reduce_sum(basis[:, :, None] * q[None, :, :], axis=1)
 
 
 def _kept_q(q, old_q):
-    """The Q to warm-start from: a gradient that is 0 on every replica
-    gives Q = 0, from which no later step could recover; the old Q then."""
+    """`q`, or `old_q` where `q` is all 0 (no later step could recover)."""
     return tf.where(tf.reduce_any(tf.not_equal(q, 0)), q, old_q)
