@@ -16,11 +16,8 @@ from tf_agn.optimizers.wrapping import check_wrappable
 class DistributedOptimizer(WrappingOptimizer):
     """Wraps a Keras optimizer so replicas combine gradients by `aggregation_method`.
 
-    The wrapped optimizer keeps its own update rule, state and
-    hyperparameters (`learning_rate` and `iterations` are its own); only
-    the communication changes (see `tf_agn.optimizers.Aggregating`). Wrap
-    an optimizer before it is built; under mixed precision Keras puts its
-    `LossScaleOptimizer` around this wrapper by itself.
+    The wrapped optimizer keeps its update rule, state and hyperparameters;
+    only the communication changes. Wrap it before it is built.
 
     Example:
 
@@ -37,31 +34,16 @@ class DistributedOptimizer(WrappingOptimizer):
     ```
 
     Args:
-        optimizer: the `keras.optimizers.Optimizer` to wrap. It is rebuilt
-            from its config with the aggregation mixed in, so its class must
+        optimizer: the `keras.optimizers.Optimizer` to wrap; its class must
             round-trip through `get_config`/`from_config`.
-        aggregation_method: an `AggregationMethod` or its name. None (the
-            default) takes the wrapped optimizer's own if it is one of
-            tf_agn's and has one, else the strategy's `aggregation` (MEAN
-            under strategies without `tf_agn.AggregatingAllReduce`).
-        gradient_accumulation_steps: None, or the micro-steps k per applied
-            step (Horovod's `backward_passes_per_step`), set on the wrapped
-            optimizer, which must not have another.
-        accumulation_reduction: None (the wrapped optimizer's own if it is
-            one of tf_agn's, else "mean"), "mean" or "sum"; see
-            `tf_agn.optimizers.Aggregating`.
-        compression: None (the wrapped optimizer's own if it is one of
-            tf_agn's, else the strategy's), or how gradients travel:
-            "fp16", "bf16", "int8", `tf_agn.compression.PowerSGD(rank=r)`
-            or any `tf_agn.compression` compressor; see
-            `tf_agn.optimizers.Aggregating`.
-        sparse_gradients: None (the wrapped optimizer's own if it is one of
-            tf_agn's), or a list of regular expressions naming the
-            variables whose gradients are sparse, which get no compressor
-            state; see `tf_agn.optimizers.Aggregating`.
-        shard_optimizer_state: None (the wrapped optimizer's own if it is
-            one of tf_agn's, else False), or whether each replica keeps 1/n
-            of the optimizer's state; see `tf_agn.optimizers.Aggregating`.
+        aggregation_method: as `tf_agn.optimizers.Aggregating`'s. This and
+            the settings below, when None, take the wrapped optimizer's own
+            where it is one of tf_agn's, else the default.
+        gradient_accumulation_steps: the micro-steps per applied step.
+        accumulation_reduction: "mean" or "sum".
+        compression: how gradients travel.
+        sparse_gradients: regular expressions naming sparse variables.
+        shard_optimizer_state: whether each replica keeps 1/n of the state.
         name: the wrapper's name.
         **kwargs: more arguments of `keras.optimizers.Optimizer` for the
             wrapper (`learning_rate` is refused).
@@ -69,11 +51,8 @@ class DistributedOptimizer(WrappingOptimizer):
     Raises:
         TypeError: if `optimizer` is not a Keras 3 optimizer, or given a
             `learning_rate` (the wrapped optimizer's is the one used).
-        ValueError: if `optimizer` is built or is a `LossScaleOptimizer`;
-            if `aggregation_method`, `accumulation_reduction`,
-            `compression` or `sparse_gradients` is invalid or differs from
-            the wrapped optimizer's own; or if
-            `gradient_accumulation_steps` is invalid or set twice.
+        ValueError: if `optimizer` is built or is a `LossScaleOptimizer`,
+            or a setting is invalid or differs from the wrapped optimizer's.
     """
 
     def __init__(
@@ -88,7 +67,6 @@ class DistributedOptimizer(WrappingOptimizer):
         shard_optimizer_state=None,
         **kwargs,
     ):
-        # Before the settings, which read the optimizer's config.
         check_wrappable(type(self).__name__, optimizer, kwargs)
         given = {
             "aggregation_method": (aggregation_method, _method_value),
@@ -126,8 +104,7 @@ class DistributedOptimizer(WrappingOptimizer):
         return self.inner_optimizer.communication_stats()
 
     def memory_stats(self):
-        """See `tf_agn.optimizers.Aggregating.memory_stats` (the wrapper's
-        own two scalars aside)."""
+        """See `tf_agn.optimizers.Aggregating.memory_stats`."""
         return self.inner_optimizer.memory_stats()
 
     def apply(self, grads, trainable_variables=None):
@@ -155,10 +132,7 @@ class DistributedOptimizer(WrappingOptimizer):
 
 
 def _setting_with(optimizer, setting, value, canonical):
-    """The inner optimizer's config value of `setting` (None: the
-    strategy's default): `value` in config form (`canonical(value)`), or the
-    wrapped optimizer's own where it is one of tf_agn's and has one. Raises
-    ValueError if the two differ."""
+    """`canonical(value)`, or `optimizer`'s own `setting`; raises if they differ."""
     given = None if value is None else canonical(value)
     if not isinstance(optimizer, Aggregating):
         return given

@@ -10,36 +10,26 @@ from tf_agn.optimizers.windowed import WindowedOptimizer
 class AEASGD(WindowedOptimizer):
     """Asynchronous elastic averaging SGD (Zhang, Choromanska, LeCun, 2015).
 
-    Workers keep their own weights θ; an elastic force ties them to the
-    center. Every λ local steps a worker pulls θ_c, computes
-    E = α(θ − θ_c) with α = ρη, and both sides move towards each other by
-    it: θ ← θ − E on the worker, θ_c ← θ_c + E on the server. Between
-    exchanges the worker takes ordinary steps with its inner optimizer
-    (SGD(η) by default). η is `elastic_learning_rate`; `.learning_rate`,
-    as on every wrapping optimizer, is the inner optimizer's.
-
-    Synchronously (EASGD) the replicas' E_r are summed onto the center, as
-    the paper's synchronous rule θ_c ← θ_c + α Σ_r (θ_r − θ_c).
+    Workers keep their own weights θ. Every λ local steps a worker pulls
+    θ_c, computes E = α(θ − θ_c) with α = ρη, and both sides move by it:
+    θ ← θ − E, θ_c ← θ_c + E. Synchronously (EASGD) the replicas' E are
+    summed onto the center. `.learning_rate` is the inner optimizer's.
 
     Args:
         optimizer: the inner optimizer; default `SGD(elastic_learning_rate)`.
         local_steps: λ, the steps between exchanges; default 32.
-        rho: ρ, the elastic strength per unit learning rate; default 5.
-        elastic_learning_rate: η, used for α = ρη and for the default
-            inner optimizer; default 0.01 (the AGN paper's runs).
-        aggregation_method: how replicas' E_r are combined synchronously; default
-            SUM.
+        rho: ρ, the elastic strength per unit learning rate.
+        elastic_learning_rate: η, for α = ρη and the default inner optimizer.
+        aggregation_method: how replicas' E are combined synchronously.
         outer_optimizer: applies E to the center; default `SGD(1.0)`.
         reset_inner_state: whether the inner optimizer's state is cleared at
             every exchange.
         name: the optimizer's name.
-        compression: how each exchange's E travels, synchronously and to a
-            parameter server; see `tf_agn.optimizers.WindowedOptimizer`.
+        compression: how each exchange's E travels.
         **kwargs: more arguments of `tf_agn.optimizers.WindowedOptimizer`.
 
     Raises:
-        TypeError: if given a `learning_rate`: η is `elastic_learning_rate`,
-            and the inner optimizer's learning rate is set on it.
+        TypeError: if given a `learning_rate` (η is `elastic_learning_rate`).
         ValueError: if α = ρη is not in (0, 1], or `local_steps` is not an
             int >= 1.
     """
@@ -59,7 +49,6 @@ class AEASGD(WindowedOptimizer):
         **kwargs,
     ):
         if "learning_rate" in kwargs:
-            # Keras' meaning, the inner optimizer's rate, is not η here.
             raise TypeError(
                 f"{type(self).__name__} takes no learning_rate: η of the "
                 "elastic force is elastic_learning_rate, and the inner "
@@ -116,9 +105,6 @@ class AEASGD(WindowedOptimizer):
 @keras.saving.register_keras_serializable(package="tf_agn")
 class EAMSGD(AEASGD):
     """Elastic averaging momentum SGD: AEASGD with Nesterov momentum locally.
-
-    The inner optimizer defaults to `SGD(elastic_learning_rate,
-    momentum=0.9, nesterov=True)`; everything else is `AEASGD`.
 
     Args: as `AEASGD`.
     """

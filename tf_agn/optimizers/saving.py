@@ -1,18 +1,9 @@
 """Saving an optimizer that wraps one with sharded state: its variables in
 Keras's layout, the sharded state whole.
 
-Keras's `LossScaleOptimizer`, `DistributedOptimizer` and the windowed
-optimizers list their wrapped optimizers' variables among their own, and
-Keras saves each with `.numpy()`, which gives one replica's part of
-sharded state. `save` and `load` give the wrapped tf_agn optimizer those
-values to convert (`Aggregating.saved_values` and `load_values`), so a
-file holds every variable with the unsharded optimizer's shape.
-
-`install` (run when `tf_agn.optimizers` is imported) makes Keras's
-`LossScaleOptimizer`, which `compile` puts around the optimizer under mixed
-precision, save and load this way when it wraps sharded state.
-
-Example, a wrapper of one's own:
+Keras saves a wrapper's variables with `.numpy()`, one replica's part of
+sharded state; `save` and `load` write every variable with the unsharded
+optimizer's shape. A wrapper of one's own:
 
 ```python
 class MyWrapper(keras.optimizers.Optimizer):
@@ -30,9 +21,7 @@ from tf_agn import _compat
 
 
 def aggregating_within(optimizer):
-    """The tf_agn optimizers (`tf_agn.optimizers.Aggregating`) that
-    `optimizer` is or wraps (through `inner_optimizer` and
-    `outer_optimizer`)."""
+    """The `Aggregating` optimizers that `optimizer` is or wraps."""
     found = [optimizer] if hasattr(optimizer, "sharded_state") else []
     for name in ("inner_optimizer", "outer_optimizer"):
         nested = getattr(optimizer, name, None)
@@ -42,28 +31,21 @@ def aggregating_within(optimizer):
 
 
 def sharded_within(optimizer):
-    """The tf_agn optimizers with sharded state that `optimizer` is or
-    wraps."""
+    """The optimizers with sharded state that `optimizer` is or wraps."""
     return [found for found in aggregating_within(optimizer) if found.sharded_state]
 
 
 def each_saved_value(optimizer):
-    """Yields `optimizer.variables`' values as Keras saves them, in order,
-    sharded state whole, with the unsharded optimizer's shapes.
+    """Yields `optimizer.variables`' values, sharded state whole.
 
-    Sharded state is all-gathered a pack at a time
-    (`ShardedState.whole_values`), when the values before it have been
-    taken: write each value away before taking the next, and saving holds
-    one pack of the state at a time. Call it on every worker, as Keras
-    asks of `model.save` under a multi-worker strategy, and take every
-    value.
+    Sharded state is gathered a pack at a time as values are taken; call it
+    on every worker and take every value.
     """
     gathering = {}
     for found in sharded_within(optimizer):
         values = found.sharded_state.whole_values(found)
         gathering.update((id(s), values) for s in found.sharded_state.states(found))
-    # A pack's values come together, and packs of different dtypes may
-    # interleave: those gathered before their turn wait here.
+    # Packs of different dtypes interleave: values gathered early wait here.
     waiting = {}
     for variable in optimizer.variables:
         if id(variable) not in gathering:
@@ -76,12 +58,8 @@ def each_saved_value(optimizer):
 
 
 def saved_values(optimizer):
-    """`optimizer.variables`' values as Keras saves them: the list of
-    `each_saved_value`'s, every one held at once.
-
-    Returns:
-        One numpy array per variable of `optimizer.variables`.
-    """
+    """`optimizer.variables`' values as a list of numpy arrays, sharded
+    state whole."""
     return list(each_saved_value(optimizer))
 
 
@@ -94,35 +72,19 @@ def saved_shapes(optimizer):
 
 
 def save(optimizer, store):
-    """Writes `optimizer.variables` to a Keras saving `store`, by position,
-    sharded state whole."""
+    """Writes `optimizer.variables` to a Keras saving `store`, sharded state whole."""
     for i, value in enumerate(each_saved_value(optimizer)):
         store[str(i)] = value
 
 
 def load(optimizer, store):
-    """Sets `optimizer.variables` from a Keras saving `store`, as `save`
-    wrote it (or the unsharded optimizer's Keras saved), reading each value
-    when its variable is assigned.
-
-    Raises:
-        ValueError: as `load_values`.
-    """
+    """Sets `optimizer.variables` from a Keras saving `store` `save` wrote."""
     load_values(optimizer, _StoredValues(store))
 
 
 def load_values(optimizer, values):
-    """Sets `optimizer.variables` from values as `saved_values` gives them.
-
-    Args:
-        optimizer: the optimizer to set.
-        values: a sequence of one value per variable; each is taken
-            (`values[i]`) when its variable is assigned.
-
-    Raises:
-        ValueError: for another number of values, or sharded state of a
-            shape that is not the unsharded one.
-    """
+    """Sets `optimizer.variables` from `values`, as `saved_values` gives
+    them; each is read when its variable is assigned."""
     variables = optimizer.variables
     if len(values) != len(variables):
         raise ValueError(
@@ -172,19 +134,15 @@ def _loss_scale_load(loss_scale_optimizer, store):
 
 
 def install():
-    """Makes Keras's `LossScaleOptimizer` save sharded state whole.
-    Idempotent."""
-    # Keras saves the inner optimizer's variables twice: in the loss scale
-    # optimizer's entry, after its own, and in the inner optimizer's.
+    """Makes Keras's `LossScaleOptimizer` save sharded state whole. Idempotent."""
+    # Keras saves the inner optimizer's variables in both entries.
     _compat.replace_loss_scale_methods(
         save_own_variables=_loss_scale_save, load_own_variables=_loss_scale_load
     )
 
 
-# Keras leaves `exclude_from_weight_decay` out of `get_config`, so a loaded
-# optimizer decays what the user excluded, and `exclude_from_weight_decay`
-# cannot be called again once loading has built it. The names are kept;
-# excluded variables (by id) cannot outlive the process.
+# Keras leaves `exclude_from_weight_decay` out of `get_config`, and a loaded
+# (built) optimizer refuses it; the names are kept (ids cannot be).
 EXCLUDED_NAMES = "exclude_from_weight_decay_names"
 
 
@@ -195,8 +153,7 @@ def with_excluded_names(config, optimizer):
 
 
 def restore_excluded_names(make, config):
-    """`make(config)` with the names `with_excluded_names` kept in `config`
-    excluded from weight decay again."""
+    """`make(config)`, excluding the names kept in `config` from weight decay."""
     config = dict(config)
     names = config.pop(EXCLUDED_NAMES, None)
     optimizer = make(config)
