@@ -8,18 +8,7 @@ class Accumulation:
     """Sums each stage's backward passes and steps its optimizer every M.
 
     Every stage keeps, on its device, one accumulator per trainable weight,
-    the number of backward passes they hold, and a histogram of the
-    staleness of every backward pass it accumulated.
-
-    Args:
-        stages: the K built stage models.
-        devices: one device name per stage.
-        optimizers: one built Keras optimizer per stage.
-        delays: D_k, the ticks from a batch's forward to its backward at
-            stage k, which bound its staleness there.
-        accumulation_steps: M, backward passes per optimizer step.
-        reduction: "mean" divides the M accumulated gradients by M; "sum"
-            applies their sum.
+    their count, and a histogram of staleness (0..D_k).
     """
 
     def __init__(self, stages, devices, optimizers, delays, accumulation_steps, reduction):
@@ -38,7 +27,6 @@ class Accumulation:
                     ]
                 )
                 self.counts.append(tf.Variable(0, trainable=False))
-                # Staleness s of stage k lies in 0..D_k.
                 self.histograms.append(tf.Variable(tf.zeros([delay + 1], tf.int64)))
 
     def versions(self):
@@ -47,13 +35,7 @@ class Accumulation:
         return [tf.identity(opt.iterations.value) for opt in self.optimizers]
 
     def add(self, k, grads, staleness):
-        """Adds one backward pass of stage k; every M of them, steps stage k.
-
-        Args:
-            k: the stage.
-            grads: the gradients of its trainable variables.
-            staleness: the steps stage k took since it forwarded the batch.
-        """
+        """Adds one backward pass of stage k; every M of them, steps stage k."""
         self.histograms[k].assign_add(
             tf.one_hot(staleness, self.delays[k] + 1, dtype=tf.int64)
         )
@@ -77,12 +59,7 @@ class Accumulation:
         self.counts[k].assign(0)
 
     def staleness(self):
-        """The staleness accumulated so far, per stage.
-
-        Returns:
-            A list with, per stage, `{"delay": D_k, "mean": float or None
-            before any backward pass, "histogram": {staleness: batches}}`.
-        """
+        """The staleness so far, per stage, as `DecoupledModel.staleness`."""
         report = []
         for delay, histogram in zip(self.delays, self.histograms):
             counts = histogram.numpy()

@@ -8,13 +8,7 @@ from tf_agn import _compat
 class Metrics:
     """The mean loss and the compiled metrics of a `DecoupledModel`.
 
-    Args:
-        metrics: a list of Keras metrics or their names, as for
-            `keras.Model.compile`, or None.
-
-    Attributes:
-        loss_tracker: a `keras.metrics.Mean` of the loss, named "loss".
-        compiled_metrics: the compiled `metrics`, or None without any.
+    `metrics`: a list of Keras metrics or their names, or None.
     """
 
     def __init__(self, metrics):

@@ -8,21 +8,9 @@ import tensorflow as tf
 class StagePasses:
     """The forward and backward passes of the K stages within one tick.
 
-    A stage with D_k = 0 backpropagates the batch it forwarded in the same
-    tick, from the forward's tape; a stage with D_k > 0 backpropagates a
-    batch it forwarded D_k ticks earlier, recomputing that forward from the
-    stored input with its current weights. Every backward pass of a real
-    batch (id >= 0) goes to the `Accumulation`.
-
-    Args:
-        stages: the K built stage models.
-        devices: one device name per stage.
-        delays: D_k of every stage.
-        loss: a Keras loss object whose call reduces to a scalar.
-        metrics: the `tf_agn.decoupled.metrics.Metrics` the last stage
-            updates.
-        accumulation: the `tf_agn.decoupled.accumulation.Accumulation` of
-            the stages.
+    A stage with D_k = 0 backpropagates from the forward's tape; one with
+    D_k > 0 recomputes the forward of its stored input with its current
+    weights. Backward passes of real batches (id >= 0) are accumulated.
     """
 
     def __init__(self, stages, devices, delays, loss, metrics, accumulation):
@@ -35,18 +23,11 @@ class StagePasses:
         self.last = len(stages) - 1
 
     def forward(self, inputs, labels):
-        """The forward passes, k = 0 .. K−1.
+        """`({k: (output, batch id)}, {k: tape})` of the forward passes.
 
-        Args:
-            inputs: `{k: (input, batch id)}`; a stage missing from it
-                forwards stage k − 1's output of this tick (a chained
-                forward), which is added to `inputs`.
-            labels: the labels of the batch the last stage forwards.
-
-        Returns:
-            `{k: (output, batch id)}`, the last stage's output being
-            `(loss, predictions)`; and `{k: tape}` of the stages with
-            D_k = 0.
+        A stage missing from `inputs` (`{k: (input, batch id)}`) forwards
+        stage k − 1's output of this tick. The last stage's output is
+        `(loss, predictions)`; tapes are kept for stages with D_k = 0.
         """
         outputs, tapes = {}, {}
         for k, stage in enumerate(self.stages):
@@ -67,28 +48,16 @@ class StagePasses:
         return outputs, tapes
 
     def backward(self, inputs, outputs, tapes, stored, labels, versions):
-        """The backward passes, k = K−1 .. 0, each accumulated if its batch
-        is real.
+        """The backward passes, k = K−1 .. 0: returns `{k: gradient of stage
+        k's input}` (k > 0) and `{k: batch id backpropagated}`.
 
-        Args:
-            inputs, outputs, tapes: what `forward` took and returned.
-            stored: `{k: (input, batch id, weight version, gradient of the
-                output)}` of the batch each stage with D_k > 0
-                backpropagates now.
-            labels: the labels of the batch the last stage forwarded.
-            versions: each stage's weight version before this tick's step.
-
-        Returns:
-            `{k: gradient with respect to stage k's input}` for k > 0, and
-            `{k: the batch id stage k backpropagated}`.
+        `stored` is `{k: (input, batch id, weight version, output gradient)}`
+        for stages with D_k > 0; `versions` each stage's weight version.
         """
         input_gradients, backward_ids = {}, {}
         for k in reversed(range(len(self.stages))):
             with tf.device(self.devices[k]):
                 if self.delays[k] == 0:
-                    # The last stage starts from its loss (no gradient
-                    # comes in); under BP, stage k from stage k + 1's
-                    # gradient of this tick.
                     grads, batch = self._backward_in_tick(
                         k, inputs[k][0], outputs[k], tapes[k], labels,
                         input_gradients.get(k + 1),
@@ -111,13 +80,8 @@ class StagePasses:
         return input_gradients, backward_ids
 
     def _backward_in_tick(self, k, stage_input, output, tape, labels, upstream):
-        """Stage k's backward of the batch it forwarded in this tick, from
-        its tape; the last stage also updates the metrics.
-
-        Returns:
-            The gradients of stage k's trainable variables, then, for
-            k > 0, of `stage_input`; and the batch id.
-        """
+        """Gradients of stage k's variables (and input, for k > 0) from its
+        tape, and the batch id; the last stage also updates the metrics."""
         target, batch = output
         if k == self.last:
             target, predictions = target
@@ -135,20 +99,14 @@ class StagePasses:
 
 
 def _recompute_gradients(stage, stage_input, upstream, wrt_input):
-    """A delayed backward: `stage`'s forward again from its stored input,
-    with its current weights.
-
-    Returns:
-        The gradients of the trainable variables, then, if `wrt_input`,
-        of `stage_input`.
-    """
+    """A delayed backward: gradients of `stage`'s variables (and of
+    `stage_input` if `wrt_input`), its forward recomputed."""
     trainable = [v.value for v in stage.trainable_variables]
     non_trainable = [v.value for v in stage.non_trainable_variables]
     sources = trainable + [stage_input] * wrt_input
     with tf.GradientTape() as tape:
         tape.watch(sources)
-        # `stateless_call` leaves non-trainable state (e.g. batch-norm
-        # statistics) as the first forward left it.
+        # `stateless_call` leaves batch-norm statistics as the forward left them.
         output, _ = stage.stateless_call(
             trainable, non_trainable, stage_input, training=True
         )

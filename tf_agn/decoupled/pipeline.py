@@ -1,25 +1,9 @@
 """`Pipeline`: the state of a decoupled training run and its tick function.
 
-One tick is one `tf.function` call. Inside it every stage forwards one
-batch and backpropagates one batch (possibly different ones, possibly
-none); what stages hand each other between ticks lives in variables on the
-receiving stage's device:
-
-- `activations[k]`: stage k − 1's output of the last tick (ADL only; DDG and
-  BP chain the forward inside the tick);
-- `gradients[k]`: the gradient of the loss with respect to stage k's output,
-  from stage k + 1's backward of the last tick (stages with D_k > 0);
-- `stored_inputs[k]`: a ring of the last D_k inputs stage k forwarded, each
-  with its batch id and stage k's weight version at the time; the backward
-  recomputes the forward from the stored input with the current weights, as
-  ADL's official code does, so only inputs are kept, not whole activation
-  graphs;
-- `labels`: a ring of the last f_{K−1} label batches (ADL only), for the
-  last stage, which reaches batch b at tick b + K − 1.
-
-Batch ids travel with the data (-1 marks an empty slot while the pipeline
-fills or drains), so a stage accumulates a backward pass only for a real
-batch, and the ids each tick reports are the trace of what really ran.
+One tick is one `tf.function` call. What stages hand each other between
+ticks lives in variables on the receiving stage's device: `activations`
+(ADL), output `gradients`, rings of `stored_inputs` (D_k > 0) and `labels`
+(ADL). Batch ids travel with the data, -1 for an empty slot.
 """
 
 import tensorflow as tf
@@ -31,22 +15,9 @@ from tf_agn.decoupled.passes import StagePasses
 class Pipeline:
     """The buffers and the tick function of a `DecoupledModel`'s training.
 
-    `tick(x, y, batch_id, tick)` runs one tick, a `tf.function` of `_tick`.
-
-    Args:
-        stages: the K built stage models.
-        devices: one device name per stage.
-        optimizers: one built Keras optimizer per stage.
-        schedule: a `tf_agn.decoupled.schedule.Schedule`.
-        accumulation_steps: M, backward passes per optimizer step.
-        reduction: "mean" or "sum" of the M accumulated gradients.
-        loss: a Keras loss object whose call reduces to a scalar.
-        metrics: the `tf_agn.decoupled.metrics.Metrics` the last stage
-            updates.
-        batch_size: the fixed batch size the buffers hold.
-        boundary_specs: the `tf.TensorSpec` of every stage's input, without
-            the batch dimension, then the model output's.
-        label_spec: the `tf.TensorSpec` of a label batch.
+    `tick(x, y, batch_id, tick)` runs one tick. `boundary_specs` are the
+    `tf.TensorSpec`s of every stage's input, then of the output, without
+    the batch dimension.
     """
 
     def __init__(
@@ -98,23 +69,10 @@ class Pipeline:
         self.tick = tf.function(self._tick, autograph=False)
 
     def _tick(self, x, y, batch_id, tick):
-        """Runs one tick; returns the batch ids forwarded and backpropagated.
-
-        Args:
-            x: the input batch entering stage 0 (zeros while draining).
-            y: its labels.
-            batch_id: its id, or -1 while draining.
-            tick: the tick's number since the pipeline was empty (int64).
-
-        Returns:
-            Two int32 vectors of K batch ids, -1 where a stage had none.
-        """
-        # Reads first: every buffer's value of the last tick, and every
-        # stage's weight version before this tick's step. TensorFlow orders
-        # the operations on one variable as the program does, so no write
-        # below overtakes these reads; and the reads and writes of different
-        # stages share no variable, so the K stages' computations are
-        # independent and TensorFlow's executor runs them concurrently.
+        """Runs one tick; returns the K batch ids forwarded and the K
+        backpropagated, -1 where none (`batch_id` is -1 while draining)."""
+        # Reads first. TensorFlow orders operations on one variable as the
+        # program does, and stages share no variable, so they run concurrently.
         versions = self.accumulation.versions()
         slots = {k: tick % self.schedule.delays[k] for k in self.stored_inputs}
         stored = self._read_stored(slots)
@@ -136,12 +94,8 @@ class Pipeline:
         return forward_ids, tf.stack([backward_ids[k] for k in range(self.num_stages)])
 
     def _read_stored(self, slots):
-        """Per stage k with D_k > 0, what it backpropagates now.
-
-        Returns:
-            `{k: (stored input, its batch id, stage k's weight version when
-            it forwarded it, the gradient stage k + 1 sent back for it)}`.
-        """
+        """`{k: (input, batch id, weight version, output gradient)}` that
+        each stage with D_k > 0 backpropagates now."""
         return {
             k: (
                 tf.gather(self.stored_inputs[k], slot),
@@ -153,8 +107,7 @@ class Pipeline:
         }
 
     def _read_inputs(self, x, batch_id):
-        """`{k: (input, batch id)}`: `x` for stage 0 and, under ADL, the
-        activation stage k − 1 sent in the last tick for stage k."""
+        """`{k: (input, batch id)}`: `x` for stage 0, then ADL's activations."""
         inputs = {0: (x, batch_id)}
         for k in self.activations:
             inputs[k] = (
@@ -164,9 +117,7 @@ class Pipeline:
         return inputs
 
     def _write(self, y, inputs, outputs, input_gradients, slots, versions, label_slot):
-        """Writes what the next tick reads: the activations sent forward,
-        the inputs stored for a delayed backward, with their ids and weight
-        versions, the gradients sent back, and the labels."""
+        """Writes what the next tick reads."""
         for k in self.activations:
             output, stage_id = outputs[k - 1]
             self.activations[k].assign(output)
@@ -182,15 +133,8 @@ class Pipeline:
 
 
 def build_stages(stages, devices, optimizers, x_batch):
-    """Builds the stages and their optimizers on one batch.
-
-    Runs `x_batch` through the stages eagerly, in inference mode, each on
-    its device.
-
-    Returns:
-        The `tf.TensorSpec` of every stage's input, without the batch
-        dimension, then of the output's; and the output.
-    """
+    """Builds the stages and their optimizers on one batch, in inference
+    mode; returns the boundary `tf.TensorSpec`s and the output."""
     specs = [tf.TensorSpec(x_batch.shape[1:], tf.as_dtype(x_batch.dtype))]
     activation = x_batch
     for stage, device, optimizer in zip(stages, devices, optimizers):
@@ -202,7 +146,7 @@ def build_stages(stages, devices, optimizers, x_batch):
 
 
 def _buffer(spec, batch_size, leading=()):
-    """A zero variable of `leading` batches of `spec`."""
+
     shape = list(leading) + [batch_size] + list(spec.shape)
     return tf.Variable(tf.zeros(shape, spec.dtype), trainable=False)
 

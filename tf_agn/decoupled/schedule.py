@@ -1,19 +1,13 @@
 """`Schedule`: when each stage forwards and backpropagates each batch.
 
-Training runs in ticks. Batch b enters the pipeline at tick b; stage k
-forwards it at tick b + f_k and backpropagates it D_k ticks later. Every
-stage steps its optimizer at the end of a tick, so without accumulation a
-batch's gradient at stage k is D_k steps stale.
+Batch b enters at tick b; stage k forwards it at tick b + f_k and
+backpropagates it D_k ticks later:
 
 | schedule | forward lag f_k | delay D_k     | within a tick              |
 |----------|-----------------|---------------|----------------------------|
 | `"adl"`  | k               | 2 (K − 1 − k) | the K stages independent   |
 | `"ddg"`  | 0               | K − 1 − k     | one chained forward        |
 | `"bp"`   | 0               | 0             | chained forward, backward  |
-
-Under ADL activations move one stage forward and input gradients one
-stage back per tick; the last stage forwards, takes the loss and
-backpropagates in one tick.
 """
 
 import collections
@@ -25,7 +19,7 @@ class Schedule:
     """The timing of one of `SCHEDULES` over `num_stages` stages.
 
     Args:
-        name: "adl", "ddg" or "bp", in any case, as aggregation methods.
+        name: "adl", "ddg" or "bp", in any case.
         num_stages: K, the number of stages (an int >= 1).
 
     Raises:
@@ -48,10 +42,7 @@ class Schedule:
         self.name = key
         self.num_stages = num_stages
         last = num_stages - 1
-        # Every stage reads its weights once per tick, for its forward and its
-        # backward. Under ADL stage k's gradient for batch b arrives from
-        # stage k + 1 at tick b + f_k + D_k − 1 and is used one tick later:
-        # two ticks of delay per later stage.
+        # ADL: two ticks of delay per later stage (gradient sent, then used).
         if key == "adl":
             self.forward_lags = list(range(num_stages))
             self.delays = [2 * (last - k) for k in range(num_stages)]
@@ -85,23 +76,11 @@ class Schedule:
         return _batches_at(tick, self.backward_lags, num_batches)
 
     def staleness(self, accumulation_steps, num_batches=None):
-        """The staleness the schedule predicts, per stage: in steady state
-        floor(D_k / M) or ceil(D_k / M), D_k / M on average.
-
-        Args:
-            accumulation_steps: M, backward passes per optimizer step.
-            num_batches: count batches 0 .. num_batches − 1 of one run from
-                an empty pipeline, where the first batches see fewer steps;
-                None gives the steady state (one whole cycle of M batches).
-
-        Returns:
-            Per stage, a `collections.Counter` {staleness: number of
-            batches}.
-        """
-        # Stage k steps after backpropagating batches M − 1, 2M − 1, ...;
-        # batch b's staleness counts those steps in the D_k ticks from its
-        # forward to its backward: the b' in [b − D_k, b − 1] with
-        # (b' + 1) % M == 0.
+        """Per stage, a `collections.Counter` {staleness: batches} the
+        schedule predicts with M = `accumulation_steps`: for batches
+        0 .. `num_batches` − 1 from an empty pipeline, or (None) in steady
+        state."""
+        # Batch b's staleness: the b' in [b − D_k, b − 1] with (b' + 1) % M == 0.
         steps = accumulation_steps
         first = 0 if num_batches is not None else 10 * steps * max(self.delays)
         batches = range(first, first + (num_batches or steps))

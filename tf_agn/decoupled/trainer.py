@@ -1,9 +1,5 @@
 """`Trainer`: the Keras-like `compile`, `fit`, `evaluate` and `predict` of
-a `DecoupledModel`.
-
-`fit` runs the ticks, and `evaluate` the batches, in
-`tf_agn.decoupled.loops`.
-"""
+a `DecoupledModel`."""
 
 import keras
 import numpy as np
@@ -17,12 +13,7 @@ from tf_agn.decoupled.pipeline import build_stages
 
 
 class Trainer:
-    """`compile`, `fit`, `evaluate` and `predict`, as `keras.Model` has them.
-
-    `tf_agn.decoupled.DecoupledModel` inherits them: they train and run its
-    `stages` on its `devices` by its `schedule`, `accumulation_steps` and
-    `reduction`.
-    """
+    """`compile`, `fit`, `evaluate` and `predict`, as `keras.Model` has them."""
 
     def compile(self, optimizer="rmsprop", loss=None, metrics=None):
         """Sets the optimizer every stage copies, the loss and the metrics.
@@ -31,8 +22,7 @@ class Trainer:
             optimizer: a Keras optimizer or its name; each stage gets a
                 fresh copy from its config.
             loss: a Keras loss, its name or a function `(y_true, y_pred)`.
-            metrics: a list of Keras metrics or their names, as for
-                `keras.Model.compile`.
+            metrics: a list of Keras metrics or their names.
         """
         optimizer = keras.optimizers.get(optimizer)
         self.optimizers = [
@@ -59,23 +49,18 @@ class Trainer:
     ):
         """Trains for `epochs` passes over `(x, y)`, like `keras.Model.fit`.
 
-        Every epoch feeds its batches one per tick, then drains the pipeline
-        (`Schedule.num_ticks`), so at the end of an epoch all its batches
-        have been applied and validation, checkpoints and early stopping see
-        a consistent model. Draining idles stages for up to 2 (K − 1) ticks
-        per epoch. Accumulators are not flushed: fewer than M remaining
-        backward passes wait for the next epoch.
+        Every epoch feeds its batches one per tick, then drains the
+        pipeline, so callbacks see all its batches applied. Accumulators are
+        not flushed: fewer than M remaining backward passes wait.
 
         Args:
             x: the training inputs, a numpy array.
             y: the training labels.
-            batch_size: examples per batch; a last partial batch is dropped,
-                as the buffers hold a fixed batch size.
+            batch_size: examples per batch; a last partial batch is dropped.
             epochs: passes over the data.
             verbose: 0 silent, 1 progress bar, 2 one line per epoch; "auto"
                 is 1.
-            callbacks: Keras callbacks; they see this model as their
-                `model` (with `stop_training`, `get_weights`, ...).
+            callbacks: Keras callbacks; their `model` is this model.
             validation_data: `(x_val, y_val)`, evaluated after every epoch.
             shuffle: reshuffle the training data every epoch.
 
@@ -124,8 +109,7 @@ class Trainer:
         return logs["loss"] if len(logs) == 1 else list(logs.values())
 
     def predict(self, x, batch_size=32, verbose=0):
-        """The model's output on `x`, the stages run in sequence on their
-        devices, in inference mode.
+        """The model's output on `x`, in inference mode.
 
         Args:
             x: the inputs, a numpy array.
@@ -157,8 +141,7 @@ class Trainer:
             )
 
     def _pipeline_for(self, x_batch, y_batch):
-        """The pipeline for this batch size, built on first use, with the
-        stages, their optimizers and the metrics."""
+        """The pipeline for this batch size, built on first use."""
         batch_size = len(x_batch)
         if self._pipeline is not None and self._pipeline.batch_size == batch_size:
             return self._pipeline
