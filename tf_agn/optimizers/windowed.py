@@ -1,5 +1,4 @@
-"""`WindowedOptimizer`: λ local steps, then a commit; the algorithms' shared
-machinery."""
+"""`WindowedOptimizer`: λ local steps, then a commit."""
 
 import functools
 
@@ -22,9 +21,7 @@ from tf_agn.optimizers.wrapping import check_wrappable
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
 
-# What `get_config` of the windowed optimizers wrote before they became
-# compositions, for settings they never had a use for: files saved then
-# hold these values, which mean nothing now.
+# Settings older configs wrote with these meaningless values.
 _FORMER_CONFIG_ENTRIES = {"accumulation_reduction": "mean", "sparse_gradients": None}
 
 
@@ -34,19 +31,10 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
 
     Every replica or worker steps its own weights θ with the inner
     `optimizer` for `local_steps` steps, sending nothing, then commits a Δ
-    computed from θ and the center θ_c. Subclass it and override the
-    `CommitRules` (`commit_delta`, `commit_scale`, `local_after_commit`,
-    `resets_to_center`) for a new algorithm, as AGN, DOWNPOUR, DynSGD,
-    AEASGD and EAMSGD do; they run synchronously under `MirroredStrategy`
-    and asynchronously in `tf_agn.strategies.fit` and `simulate`.
-
-    Synchronously, the replicas' Δ_r are combined with `aggregation_method`
-    and the `outer_optimizer` applies the result to θ_c as the
-    pseudo-gradient −Δ (by default SGD(1.0): θ_c ← θ_c + Δ; with Nesterov
-    momentum, DiLoCo). The inner optimizer's state stays per replica. At
-    the end of `fit` a partial window is committed, so the weights are the
-    center after. Under mixed precision even a local step is skipped on
-    every replica when one overflows: the loss scale is shared.
+    computed from θ and the center θ_c. Override the `CommitRules` for a new
+    algorithm. Synchronously the replicas' Δ are combined and
+    `outer_optimizer` applies −Δ to θ_c as a gradient. At the end of `fit` a
+    partial window is committed.
 
     Example:
 
@@ -57,25 +45,17 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
     ```
 
     Args:
-        optimizer: the inner Keras optimizer every replica or worker steps
-            with, locally.
-        local_steps: λ, the number of local steps per window (an int >= 1).
-        aggregation_method: how the replicas' commits are combined
-            synchronously: an `AggregationMethod` or its name. None takes
-            the default of the strategy's `tf_agn.AggregatingAllReduce`.
-        outer_optimizer: the Keras optimizer that applies the combined Δ to
-            the center; default `keras.optimizers.SGD(1.0)`. Only its update
-            rule is used, not its clipping or weight decay.
+        optimizer: the inner Keras optimizer, stepped locally.
+        local_steps: λ, the local steps per window (an int >= 1).
+        aggregation_method: how the replicas' commits are combined: an
+            `AggregationMethod` or its name; None, the strategy's default.
+        outer_optimizer: applies the combined Δ to the center (only its
+            update rule); default `keras.optimizers.SGD(1.0)`.
         reset_inner_state: whether the inner optimizer's state is cleared at
-            every commit (its step counter keeps counting).
-        compression: how the commits travel: None (the strategy's
-            `compression`, if any), "fp16", "bf16", "int8",
-            `tf_agn.compression.PowerSGD(rank=r)` or any
-            `tf_agn.compression` compressor. Synchronously, int8 and
-            PowerSGD keep each replica's residual of its Δ_r as optimizer
-            variables, and their `start_step` counts commits; to a
-            parameter server, each worker keeps its own residual
-            (`tf_agn.strategies.commit_server`).
+            every commit.
+        compression: how the commits travel: None (the strategy's), "fp16",
+            "bf16", "int8" or a `tf_agn.compression` compressor, whose
+            `start_step` counts commits.
         name: the optimizer's name.
 
     Raises:
@@ -83,9 +63,8 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             optimizer.
         ValueError: if `local_steps` is not an int >= 1, the outer learning
             rate is not positive, `aggregation_method` or `compression` is
-            unknown, the inner optimizer accumulates gradients (the window
-            already does), or has an aggregation method other than "none"
-            (its steps are local).
+            unknown, or the inner optimizer accumulates gradients or
+            aggregates other than "none".
     """
 
     def __init__(
@@ -107,7 +86,6 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         if aggregation_method is not None:
             aggregation_method = AggregationMethod.parse(aggregation_method)
         compression = compression_lib.get(compression)
-        # The inner optimizer's own steps are local.
         super().__init__(optimizer, {"aggregation_method": "none"}, name=name)
         self.local_steps = local_steps
         self.aggregation_method = aggregation_method
@@ -115,13 +93,12 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         self.outer_optimizer = outer_optimizer
         self.reset_inner_state = bool(reset_inner_state)
         self._swap_function = None
-        # The positions among the built variables of those `apply` was given.
+        # Positions among the built variables of those `apply` was given.
         self._applied = set()
 
     @property
     def aggregation(self):
-        """The `AggregationMethod` the commits use: `aggregation_method`, or
-        the strategy's default."""
+        """The `AggregationMethod` the commits use."""
         if self.aggregation_method is not None:
             return self.aggregation_method
         return default_aggregation(_compat.creation_strategy(self))
@@ -138,9 +115,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             var_list,
         )
         super().build(var_list)
-        # An initializer rather than an assign: Keras may build the
-        # optimizer while tracing the train step, where an assign would only
-        # land in that graph.
+        # Not an assign: built while tracing, it would land in that graph only.
         self._centers = [
             self.add_variable_from_reference(
                 v, name="center", initializer=_current_value_of(v)
@@ -153,7 +128,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
 
     @property
     def variables(self):
-        # In this order, as files saved by earlier releases hold them.
+        # The order saved files hold them in.
         return super().variables + self.outer_optimizer.variables
 
     @property
@@ -162,9 +137,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         return list(self._centers)
 
     def memory_stats(self):
-        """The bytes one replica holds: see
-        `tf_agn.optimizers.Aggregating.memory_stats`; the centers and the
-        inner and outer optimizers' states are optimizer state."""
+        """See `tf_agn.optimizers.Aggregating.memory_stats`."""
         commit_state = [v for state in self._compression_state for v in state.values()]
         return memory_stats(_compat.built_variables(self), self.variables, (), commit_state)
 
@@ -172,9 +145,8 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         if not self.built:
             self.build(trainable_variables)
         built = _compat.built_variables(self)
-        # Commits move the variables this optimizer steps (Keras's `apply`
-        # takes any of those built: a GAN's optimizer may be built on every
-        # variable and step only its own), known while the step is traced.
+        # Commits move only the variables stepped (a GAN's optimizer may be
+        # built on every variable and step only its own).
         self._applied.update(
             _compat.variable_index(self.inner_optimizer, v) for v in trainable_variables or built
         )
@@ -183,10 +155,8 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         if context is None:
             self._commit_if_window_ends(tf.distribute.get_strategy())
         else:
-            # TensorFlow refuses a `merge_call` (the commit's reduction)
-            # inside a `tf.cond` in replica context, so the window test runs
-            # in cross-replica context, as Keras' LossScaleOptimizer does it.
-            # `merge_call` only shapes the graph: it costs nothing per step.
+            # TensorFlow refuses a `merge_call` inside a `tf.cond` in replica
+            # context, so the window test runs in cross-replica context.
             context.merge_call(self._commit_if_window_ends)
 
     def _commit_if_window_ends(self, strategy):
@@ -216,8 +186,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             step=self.outer_optimizer.iterations,
             counter=self._communication,
         )
-        # The center update runs per replica, like the local steps: every
-        # replica holds the same combined Δ, so the copies of θ_c stay equal.
+        # Per replica: the combined Δ is the same, so θ_c's copies stay equal.
         self.apply_to_center(combined, centers)
         for variable, delta, center in zip(variables, deltas, centers):
             variable.assign(self.local_after_commit(variable, delta, center))
@@ -226,12 +195,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
                 slot.assign(ops.zeros_like(slot))
 
     def apply_to_center(self, deltas, centers):
-        """θ_c ← the outer optimizer's step with the pseudo-gradient −Δ.
-
-        Args:
-            deltas: the (combined, scaled) commit, one tensor per center.
-            centers: the center variables, on any device.
-        """
+        """θ_c ← the outer optimizer's step with gradient −`deltas`."""
         _compat.update_step_in_place(
             self.outer_optimizer,
             [ops.negative(delta) for delta in deltas],
@@ -241,12 +205,8 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         self.outer_optimizer.iterations.assign_add(1)
 
     def swap_weights_and_center(self):
-        """Exchanges every replica's copy of the weights with the center.
-
-        Called twice, it restores both exactly. `tf_agn.callbacks.
-        EvaluateAtCenter` uses it so that evaluation and prediction mid-window
-        see θ_c, not each replica's exploration.
-        """
+        """Exchanges every replica's copy of the weights with the center;
+        called twice, it restores both exactly."""
         if not self.built:
             return
         if self._swap_function is None:
@@ -294,31 +254,20 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
 def _in_replica_context(optimizer, fn):
     """A graph function that runs `fn` on every replica of `optimizer`'s
     strategy."""
-    # `strategy.run` goes inside the tf.function, as TensorFlow requires for
-    # functions that synchronize replicas.
     return tf.function(lambda: _compat.creation_strategy(optimizer).run(fn), autograph=False)
 
 
 def _swap(variables, centers):
-    """Exchanges each variable's value with its center's, in replica
-    context: each assign writes this replica's copy only."""
+    """Exchanges each variable's value with its center's, in replica context."""
     for variable, center in zip(variables, centers):
-        # `tf.identity` takes a snapshot; a converted variable would be
-        # read only when used, after the assign below.
+        # A snapshot: a converted variable would be read after the assign.
         local = tf.identity(variable.value)
         variable.assign(center)
         center.assign(local)
 
 
 def optimizer_state(optimizer):
-    """An optimizer's per-weight state: its variables but for the counters.
-
-    Args:
-        optimizer: a built Keras optimizer.
-
-    Returns:
-        The list of its state variables (e.g. Adam's moments).
-    """
+    """A built optimizer's per-weight state: its variables but the counters."""
     counters = {id(optimizer.iterations), id(_compat.learning_rate_source(optimizer))}
     communication = getattr(optimizer, "_communication", None)
     if communication is not None:
@@ -331,8 +280,6 @@ def _check_not_parameter_server(optimizer):
     if isinstance(
         _compat.creation_strategy(optimizer), tf.distribute.experimental.ParameterServerStrategy
     ):
-        # Keras 3's fit and train steps cannot drive this strategy; its
-        # windows run through tf_agn's own asynchronous executor.
         raise ValueError(
             f"{type(optimizer).__name__} runs asynchronously under "
             "ParameterServerStrategy through tf_agn.strategies.fit(model, "
@@ -346,8 +293,7 @@ def _current_value_of(variable):
 
 
 def _check_local_inner_optimizer(owner, optimizer, local_steps):
-    """Raises unless `local_steps` is an int >= 1 and `optimizer` steps
-    locally, once per step."""
+    """Raises unless `local_steps` is an int >= 1 and `optimizer` steps locally."""
     if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be an int >= 1; received {local_steps!r}.")
     accumulation = getattr(optimizer, "gradient_accumulation_steps", None)
@@ -364,9 +310,7 @@ def _check_local_inner_optimizer(owner, optimizer, local_steps):
     own = optimizer.aggregation_method
     if own in (None, AggregationMethod.NONE):
         return
-    # The window's local steps communicate nothing; an inner method chosen
-    # by the user would be silently replaced, when they likely meant the
-    # commits'.
+    # Not silently replaced: the user likely meant the commits' method.
     raise ValueError(
         f"{owner}'s inner optimizer steps locally: its aggregation_method "
         f"must be None or 'none'; received {own.value!r} on "
@@ -376,15 +320,13 @@ def _check_local_inner_optimizer(owner, optimizer, local_steps):
 
 
 def _check_outer_optimizer(outer_optimizer):
-    """Raises unless `outer_optimizer` is a Keras optimizer whose learning
-    rate is positive, a schedule or a callable."""
+    """Raises unless `outer_optimizer` is a Keras optimizer with a positive rate."""
     if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             "outer_optimizer must be a keras.optimizers.Optimizer; received "
             f"{outer_optimizer!r}."
         )
     if getattr(outer_optimizer, "shard_optimizer_state", False):
-        # The commit applies it in place on every replica's center.
         raise ValueError(
             f"outer_optimizer {type(outer_optimizer).__name__}(shard_optimizer_"
             "state=True) is not supported yet: a windowed optimizer steps its "
