@@ -1,24 +1,11 @@
 """Sharded optimizer state (ZeRO stage 1): each of n replicas keeps and
 updates 1/n of the optimizer's state.
 
-With `shard_optimizer_state=True` a tf_agn optimizer splits every trainable
-variable, flattened and padded to a multiple of n, into n equal parts;
-replica r owns part r of each. Its state (Adam's moments, momentum) is made
-for the parts only, so each replica holds 1/n of it. Each step:
-
-1. the replicas' gradients are reduce-scattered: each replica receives the
-   combination (SUM or MEAN) of its parts only;
-2. the optimizer's own `update_step` updates the parts, with the parts of
-   its state;
-3. the updated parts are all-gathered into every replica's copy of the
-   weights.
-
-A reduce-scatter and an all-gather move what one all-reduce moves. Weight
-decay is applied to every replica's whole copy before, as without
-sharding; `clipnorm` and `global_clipnorm` clip the parts by the whole
-gradients' norms; the weights every replica holds stay equal. With fp16 or
-bf16 compression the gradients travel in that dtype, with int8 as
-quantized rows by an all-to-all (`sharded_step`); the weights do not.
+With `shard_optimizer_state=True` every trainable variable is flattened,
+padded and split into n parts; replica r owns part r and the state for it.
+Each step reduce-scatters the gradients, updates each replica's parts with
+the optimizer's own `update_step`, and all-gathers the parts into every
+replica's weights: the bytes of one all-reduce.
 
 Example:
 
@@ -41,8 +28,7 @@ from tf_agn.compression import Int8
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import tf_agn_ops
 
-# Keras's optimizers whose update of each element reads that element's
-# gradient, weight and state only.
+# Keras's optimizers whose update is element by element.
 ELEMENTWISE = (
     keras.optimizers.SGD,
     keras.optimizers.Adam,
@@ -58,21 +44,15 @@ ELEMENTWISE = (
 
 
 def is_elementwise(optimizer):
-    """Whether `optimizer`'s update rule acts element by element: its class
-    says so (`elementwise = True`), or its `update_step` is that of one of
-    Keras's element-wise optimizers."""
+    """Whether `optimizer`'s update rule acts element by element."""
     if getattr(type(optimizer), "elementwise", False):
         return True
     return any(type(optimizer).update_step is known.update_step for known in ELEMENTWISE)
 
 
 def check_shardable(optimizer, method, compressor):
-    """Raises unless `optimizer` can shard its state with `method` and
-    `compressor` under its strategy.
-
-    Raises:
-        ValueError: naming what cannot be sharded and why.
-    """
+    """Raises a ValueError unless `optimizer` can shard its state with
+    `method` and `compressor` under its strategy."""
     name = type(optimizer).__name__
     problems = []
     if not is_elementwise(optimizer):
@@ -105,22 +85,14 @@ def check_shardable(optimizer, method, compressor):
 
 
 class ShardedState:
-    """Each trainable variable's part on this replica, and the sharded step.
-
-    Args:
-        optimizer: the tf_agn optimizer whose state is sharded, being built.
-        variables: the trainable variables it is built for.
-        num_replicas: n, the replicas in sync.
-        bytes_per_pack: the most bytes one reduce-scatter carries.
-    """
+    """Each trainable variable's part on this replica, and the sharded step."""
 
     def __init__(self, optimizer, variables, num_replicas, bytes_per_pack):
         self.num_replicas = num_replicas
         self.sizes = [int(np.prod(v.shape)) for v in variables]
         self.parts = [-(-size // num_replicas) for size in self.sizes]
-        # The part each replica updates: a scratch variable per trainable
-        # one, refreshed from the weights every step, so that weights set
-        # from outside (loading, `set_weights`) are what the step updates.
+        # Scratch parts, refreshed from the weights every step so that weights
+        # set from outside (loading, `set_weights`) are what it updates.
         self.variables = [
             keras.Variable(
                 tf.zeros([part], v.dtype), trainable=False, name=v.name, aggregation="none"
@@ -130,18 +102,12 @@ class ShardedState:
         self._index = {id(v): i for i, v in enumerate(variables)}
         self._dtypes = [tf.as_dtype(v.dtype) for v in variables]
         self._bytes_per_pack = bytes_per_pack
-        # The optimizer's state variables (each of one part's shape), by
-        # the index of the trainable variable each belongs to.
+        # id(state variable) -> index of its trainable variable.
         self._state_index = {}
 
     @classmethod
     def for_optimizer(cls, optimizer, variables, method, compressor):
-        """The sharded state of `optimizer`, being built for `variables`, or
-        None with one replica (the plain optimizer).
-
-        Raises:
-            ValueError: as `check_shardable`.
-        """
+        """The sharded state of `optimizer`, or None with one replica."""
         check_shardable(optimizer, method, compressor)
         strategy = _compat.creation_strategy(optimizer)
         if strategy.num_replicas_in_sync == 1:
@@ -152,42 +118,31 @@ class ShardedState:
         )
 
     def register_parts(self, optimizer, variables):
-        """Makes `optimizer`, built, find each variable's state when its
-        `update_step` is given the variable's part."""
+        """Makes `optimizer`'s `update_step` find a variable's state by its part."""
         for variable, part in zip(variables, self.variables):
             _compat.register_variable_alias(optimizer, part, variable)
 
     def index_of(self, variable):
-        """The position of trainable `variable` among those built with: what
-        its part, sizes and state are kept by."""
+        """The position of trainable `variable` among those built with."""
         return self._index[id(variable)]
 
     def part_of(self, variable):
-        """The scratch variable of `variable`'s part, whose shape the
-        optimizer's state for `variable` takes."""
+        """The scratch variable of `variable`'s part."""
         return self.variables[self.index_of(variable)]
 
     def variables_at(self, indices):
-        """The scratch variables of the parts of the variables at `indices`."""
         return [self.variables[i] for i in indices]
 
     def packs(self, indices):
-        """Packs (`tf_agn.packing.plan_packs`) of the variables at
-        `indices`, each a list of positions in `indices`."""
+        """`tf_agn.packing.plan_packs` of the variables at `indices`."""
         sizes = [(self._dtypes[i], self.parts[i] * self.num_replicas) for i in indices]
         return packing.plan_packs(sizes, self._bytes_per_pack)
 
     def add_state(self, optimizer, variable, name, initializer):
-        """A variable of `optimizer`'s state for trainable `variable`, of its
-        part's shape, named as Keras names the whole variable's.
-
-        Returns:
-            A `keras.Variable` each replica holds its own part in.
-        """
+        """A `keras.Variable` of `optimizer`'s state for `variable`'s part."""
         part = self.part_of(variable)
-        # Each replica's copy is its own part (`on_read`, no aggregation):
-        # `tf.train.Checkpoint` then refuses it rather than save one
-        # replica's part as the whole, as it would of a mirrored variable.
+        # `on_read` without aggregation: `tf.train.Checkpoint` refuses it
+        # rather than save one replica's part as the whole.
         with keras.name_scope(optimizer.name, caller=optimizer):
             state = keras.Variable(
                 initializer=initializer, shape=part.shape, dtype=part.dtype, trainable=False,
@@ -207,26 +162,15 @@ class ShardedState:
         return id(variable) in self._state_index
 
     def whole_shapes(self, optimizer):
-        """{id(state variable): the shape of its trainable variable}, for
-        `optimizer`'s sharded state."""
+        """{id(state variable): the shape of its trainable variable}."""
         shapes = [tuple(v.shape) for v in _compat.built_variables(optimizer)]
         return {id(s): shapes[self.index_of_state(s)] for s in self.states(optimizer)}
 
     def whole_values(self, optimizer):
-        """Yields `(state variable, its value as the unsharded optimizer
-        holds it)` for each of `optimizer`'s sharded state variables: every
-        replica's part, joined, unpadded and shaped as the trainable
-        variable.
+        """Yields `(state variable, its whole value)` for `optimizer`'s
+        sharded state, one all-gathered pack at a time as values are taken.
 
-        The parts travel a pack at a time (`packing.plan_packs`: at most the
-        strategy's `bytes_per_pack` when whole, or one larger variable), one
-        all-gather each, when the values before them have been taken: so a
-        caller that writes each value away before taking the next holds
-        one pack beside the weights, not the whole state. Packs are in the
-        order of their first variable; a pack's values come together.
-
-        Call it in cross-replica context on every worker, and take every
-        value there: each all-gather needs every worker.
+        Call it in cross-replica context on every worker, and take every value.
         """
         states = self.states(optimizer)
         strategy = _compat.creation_strategy(optimizer)
@@ -255,21 +199,8 @@ class ShardedState:
                 yield state, flat[:size].reshape(shapes[id(state)])
 
     def assign_whole_values(self, optimizer, value_of):
-        """Gives each replica its part of each whole value, one variable at
-        a time: each value is asked for when its variable is assigned.
-
-        Args:
-            optimizer: the optimizer whose sharded state takes them.
-            value_of: `value_of(state variable)`, its value with the
-                trainable variable's shape (what `np.asarray` reads).
-
-        Returns:
-            The ids of the state variables assigned.
-
-        Raises:
-            ValueError: for a value of another shape than the unsharded
-                optimizer's (the variables before it are assigned).
-        """
+        """Gives each replica its part of `value_of(state variable)`, a whole
+        value, for each state variable; returns the ids assigned."""
         shapes = self.whole_shapes(optimizer)
         strategy = _compat.creation_strategy(optimizer)
         local = strategy.experimental_local_results
@@ -291,7 +222,6 @@ class ShardedState:
         return {id(s) for s in states}
 
     def _part(self, state):
-        """The length of `state`'s part."""
         return self.parts[self.index_of_state(state)]
 
     def states(self, optimizer):
@@ -299,18 +229,14 @@ class ShardedState:
         return [v for v in optimizer.variables if self.is_state(v)]
 
     def rows(self, tensor, index):
-        """`tensor` (of trainable variable `index`), flat, padded to n
-        parts, as n rows."""
+        """`tensor` (of trainable variable `index`), flat and padded, as n rows."""
         flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
         padding = self.parts[index] * self.num_replicas - self.sizes[index]
         return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
 
 
 def _per_replica(strategy, local_values):
-    """The distributed value whose local results are `local_values`, one
-    for each of this worker's replicas, in `experimental_local_results`'
-    order."""
-    # `experimental_distribute_values_from_function` asks this worker's
-    # replicas' values in that order.
+    """The distributed value whose local results are `local_values`."""
+    # Asked for in `experimental_local_results`' order.
     values = iter(local_values)
     return strategy.experimental_distribute_values_from_function(lambda context: next(values))
