@@ -14,26 +14,13 @@ replica and returns one per local replica, on its device:
 | `all_gather_slices(slices, weights)`  | every `tf.IndexedSlices`' rows and indices   |
 
 and every transport has `devices` (the local replicas'), `size` (every
-replica of every worker), `rank(r)` (local replica r's place among them),
-`bytes_per_pack` and `jit_compile`. `tf_agn.combining.combine_replicas`
-routes values to the patterns; compressors
-(`tf_agn.compression`) are written against them. A new pattern is a
-method of each transport:
+replica of every worker), `rank(r)`, `bytes_per_pack` and `jit_compile`:
 
-- `LocalTransport`: one process; sums on one reduce device, in one
-  XLA-compiled call per pack. On devices that share host memory (logical
-  CPUs) nothing is copied. Between devices with memory of their own, the
-  reduce device's link carries 2(n - 1) pack volumes per all-reduce.
-- `CollectiveTransport`: TensorFlow's collective ops, NCCL on GPUs and a
-  ring on CPUs and between workers. A ring sends and receives 2(n - 1)/n
-  pack volumes per device, the same on every link.
-- `ReplicaTransport`: what any strategy's replica context offers
-  (`all_reduce` and `all_gather`), for strategies without tf_agn's
-  cross-device ops.
+- `LocalTransport`: one process; sums on one reduce device.
+- `CollectiveTransport`: TensorFlow's collective ops (NCCL, or a ring).
+- `ReplicaTransport`: what any strategy's replica context offers.
 
-`traffic` gives those volumes, and `python -m tf_agn.transports` prints
-them as a table: they are why "auto" picks "collective" wherever
-transfers are real copies (GPUs, and several workers).
+`python -m tf_agn.transports` prints each one's `traffic`.
 """
 
 import tensorflow as tf
@@ -51,10 +38,8 @@ TRANSPORTS = ("auto", "local", "collective")
 
 
 def choose_transport(devices, num_workers):
-    """What "auto" means for these local devices and this many workers:
-    "collective" across workers, and on GPUs where each logical GPU is a
-    physical one (NCCL refuses two ranks on one GPU); "local" for devices
-    of one process that share host memory."""
+    """What "auto" means for these local devices and this many workers."""
+    # NCCL refuses two ranks on one GPU: "collective" needs physical GPUs.
     if num_workers > 1:
         return "collective"
     if any(devices_lib.device_type(d) == "GPU" for d in devices):
@@ -66,20 +51,9 @@ def choose_transport(devices, num_workers):
 
 
 def traffic(transport, num_replicas):
-    """Pack volumes one all-reduce moves, sent plus received, per device.
-
-    Args:
-        transport: "local" (gather to one device, sum, send back) or
-            "collective" (a ring: reduce-scatter, then all-gather).
-        num_replicas: n, the replicas taking part.
-
-    Returns:
-        `(busiest, other)`: what the busiest device and every other device
-        send plus receive, in units of one pack.
-
-    Raises:
-        ValueError: for another transport.
-    """
+    """`(busiest, other)`: the pack volumes one all-reduce among
+    `num_replicas` sends plus receives on the busiest device and on the
+    others, for "local" or "collective" `transport`."""
     n = num_replicas
     if transport == "local":
         return 2 * (n - 1), 2

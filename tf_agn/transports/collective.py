@@ -1,11 +1,4 @@
-"""`CollectiveTransport`: the patterns as TensorFlow's collective ops.
-
-Every local replica packs its own values on its own device (one
-XLA-compiled call where there is something to scale or cast), launches
-its part of each collective (NCCL on GPUs, a ring on CPUs and between
-workers: the ops `MultiWorkerMirroredStrategy` uses), and unpacks what it
-receives on its device.
-"""
+"""`CollectiveTransport`: the patterns as TensorFlow's collective ops."""
 
 import tensorflow as tf
 
@@ -25,9 +18,7 @@ class CollectiveTransport:
             field resolved.
         jit_compile: whether packing and unpacking are XLA-compiled.
         replicas: the indices, among `group.devices`, of the local replicas
-            this transport launches for; by default all of them. A
-            replica that launches its own collectives in replica context
-            serves just itself.
+            this transport launches for; by default all of them.
     """
 
     def __init__(self, group, options, jit_compile, replicas=None):
@@ -45,15 +36,8 @@ class CollectiveTransport:
 
     def eager(self, key, function):
         """`function`, which launches collectives for every local replica,
-        as it can run now.
-
-        Traced (inside `fit`'s step), it is `function` itself. Eagerly,
-        replica 0's collective would block before replica 1's is launched:
-        it is then a graph function that launches them all at once, made
-        once per `key` (what `function` closes over) and per transport,
-        whose outputs (one per local replica, or a tuple of such lists)
-        are pinned to the replicas' devices.
-        """
+        as it can run now: eagerly, a graph function cached per `key`."""
+        # Eagerly, replica 0's collective would block before replica 1's.
         if not tf.executing_eagerly():
             return function
         key = (key, self.replicas, self.jit_compile, _options_key(self.options))
@@ -79,11 +63,9 @@ class CollectiveTransport:
         Args:
             packs: for each local replica, its list of tensors of one dtype.
             weights: for each local replica, the Python number its tensors
-                are multiplied by (0 for a replica that adds nothing); by
-                default 1 for each.
-            cast: a `tf_agn.compression.Compressor` that acts on the pack's
-                dtype, or None. Its values travel, and are summed, in its
-                wire dtype.
+                are multiplied by (0: adds nothing); by default 1.
+            cast: None, or a `tf_agn.compression.Compressor` whose wire
+                dtype the values travel and are summed in.
 
         Returns:
             For each local replica, the list of summed tensors.
@@ -94,10 +76,8 @@ class CollectiveTransport:
             jit = packing.use_xla(self.jit_compile, device)
             with tf.device(device):
                 if weight == 0:
-                    # The others' sum travels as an all-reduce to which this
-                    # replica adds zeros: TensorFlow's broadcast ops take no
-                    # ordering token, and unordered collectives can deadlock
-                    # NCCL. x + 0 is exact, inf and NaN included.
+                    # Zeros, not a broadcast: broadcast ops take no ordering
+                    # token, and unordered collectives can deadlock NCCL.
                     dtype = pack[0].dtype if cast is None else cast.wire_dtype(pack[0].dtype)
                     flat = tf.zeros([_num_elements(pack)], dtype)
                 else:
@@ -117,8 +97,7 @@ class CollectiveTransport:
             tensors: for each local replica, a tensor whose first dimension
                 is `size`.
             sum_parts: None to sum, or a function from the `size` rows a
-                replica receives (row j from replica j) to their reduction,
-                for rows that cannot be summed as they travel (int8 codes).
+                replica receives to their reduction (for int8 codes).
 
         Returns:
             For each local replica, its reduced row.
@@ -127,25 +106,22 @@ class CollectiveTransport:
         op = tf.raw_ops.CollectiveReduceScatterV2 if native else tf.raw_ops.CollectiveAllToAllV2
         attributes = {"merge_op": "Add", "final_op": "Id"} if native else {}
         reduced = []
-        # Loops, not comprehensions, wherever a collective is launched: a
-        # comprehension is a frame of its own on the gradient's road.
+        # Loops, not comprehensions, where collectives launch: a comprehension
+        # is a frame of its own on the gradient's road.
         for r, (device, tensor) in enumerate(zip(self.devices, tensors)):
             received = self.group.launch(op, self.replicas[r], tensor, self.options, **attributes)
             with tf.device(device):
                 if native:
                     reduced.append(tf.squeeze(received, 0))
                 else:
-                    # TensorFlow's CPU collectives have no reduce-scatter:
-                    # each replica receives its rows by an all-to-all and
-                    # reduces them itself.
+                    # TensorFlow's CPU collectives have no reduce-scatter.
                     reduced.append(
                         tf.reduce_sum(received, 0) if sum_parts is None else sum_parts(received)
                     )
         return reduced
 
     def all_gather(self, tensors):
-        """Every replica's tensor (all of one shape), concatenated along the
-        first axis in replica order."""
+        """Every replica's tensor (all of one shape), concatenated in replica order."""
         gathered = []
         for r, tensor in enumerate(tensors):
             gathered.append(
@@ -154,9 +130,8 @@ class CollectiveTransport:
         return gathered
 
     def all_to_all(self, tensors):
-        """Row j of each tensor (whose first dimension is `size`) to replica
-        j, which receives every replica's row for it, in replica order.
-        TensorFlow's CPU collectives carry float and int32/int64 values."""
+        """Row j of each tensor (first dimension `size`) to replica j, in
+        replica order; CPU collectives carry floats and int32/int64."""
         received = []
         for r, tensor in enumerate(tensors):
             received.append(
@@ -165,18 +140,10 @@ class CollectiveTransport:
         return received
 
     def all_gather_rows(self, tensors):
-        """Every replica's rows of each tensor, concatenated in replica
-        order, where replicas may hold different numbers of rows.
-
-        Args:
-            tensors: for each local replica, a list of tensors that share
-                their first dimension.
-
-        Returns:
-            For each local replica, the list of gathered tensors.
-        """
-        # The counts travel first, then every replica's rows padded to the
-        # longest; the padding is masked out.
+        """Every replica's rows of each of its tensors (a list per local
+        replica, sharing the first dimension), concatenated in replica
+        order; replicas may hold different numbers of rows."""
+        # Counts first, then rows padded to the longest, the padding masked out.
         counts, padded = [], []
         for device, replica_tensors in zip(self.devices, tensors):
             with tf.device(device):
@@ -203,17 +170,8 @@ class CollectiveTransport:
         return results
 
     def all_gather_slices(self, slices, weights):
-        """Every replica's `tf.IndexedSlices`, weighted: their rows and
-        indices, concatenated in replica order.
-
-        Args:
-            slices: for each local replica, its `tf.IndexedSlices`.
-            weights: for each local replica, the Python number its rows are
-                multiplied by; 0 for a replica that adds nothing.
-
-        Returns:
-            For each local replica, the gathered `tf.IndexedSlices`.
-        """
+        """Every replica's `tf.IndexedSlices`, rows multiplied by its Python
+        number in `weights` (0: adds nothing), concatenated in replica order."""
         parts = []
         for device, value, weight in zip(self.devices, slices, weights):
             with tf.device(device):
@@ -235,8 +193,7 @@ class CollectiveTransport:
         ]
 
     def _has_native_reduce_scatter(self):
-        # `CollectiveReduceScatterV2` exists for NCCL only: on CPUs it fails
-        # with "did not find collective implementation".
+        # `CollectiveReduceScatterV2` is NCCL's only: on CPUs it fails.
         return self.options.implementation == _CommunicationImplementation.NCCL and all(
             devices_lib.device_type(d) == "GPU" for d in self.devices
         )
@@ -248,5 +205,5 @@ def _options_key(options):
 
 
 def _num_elements(tensors):
-    """How many elements `tensors` hold together, as a scalar tensor."""
+
     return tf.add_n([tf.size(t) for t in tensors])

@@ -11,19 +11,15 @@ from tf_agn import placement
 class LocalTransport:
     """The collective patterns among one process's replicas.
 
-    Every replica's part of a pack goes to the reduce device, where one
-    `tf.function(jit_compile=True)` call decompresses, sums and scales it,
-    and the result goes back to every replica. Where devices have memory
-    of their own (GPUs), each replica first concatenates its part into one
-    flat buffer, so that a pack crosses devices as one transfer.
+    Each pack is summed on the reduce device in one XLA-compiled call and
+    sent back to every replica.
 
     Args:
         devices: the replicas' devices, in replica order.
         reduce_device: where sums are taken; by default the first replica's.
         flatten_packs: "auto", True or False: whether each replica's part
-            of a pack is concatenated into one flat buffer before it
-            travels. "auto" does so where transfers are copies (not
-            logical CPUs), or where the pack holds many small tensors.
+            of a pack travels as one flat buffer. "auto": where transfers
+            are copies (not logical CPUs), or for many small tensors.
         jit_compile: whether the packing and sums are XLA-compiled.
         bytes_per_pack: the most bytes one pack may hold.
     """
@@ -45,11 +41,8 @@ class LocalTransport:
         return function
 
     def all_reduce(self, packs, weights=None, cast=None):
-        """Every replica's pack, weighted and summed, tensor by tensor; see
-        `tf_agn.transports.CollectiveTransport.all_reduce`. The replicas
-        that add something share one weight, applied before a cast and
-        otherwise after the sum, which is taken in at least float32
-        (compressed values are decompressed first)."""
+        """As `CollectiveTransport.all_reduce`; the replicas that add
+        something share one weight, and the sum is in at least float32."""
         weights = weights or [1] * len(packs)
         replicas = [r for r, weight in enumerate(weights) if weight != 0]
         scale = weights[replicas[0]]
@@ -58,17 +51,15 @@ class LocalTransport:
         like = packs[0]
         dtype = like[0].dtype
         flatten = self._flatten(like)
-        # A cast travels weighted, as on every transport: multiplied in
-        # float32 before it is cast (`packing.scaled`). Uncompressed values
-        # are weighted after their sum.
+        # A cast travels weighted, as on every transport; other values are
+        # weighted after the sum.
         sent, summed = (1, scale) if cast is None else (scale, 1)
         parts = [self._send(packs[r], self.devices[r], flatten, cast, sent) for r in replicas]
         with tf.device(device):
             reduced = packing.combine_fn(self._jit(device))(parts, summed, dtype, cast)
         if not flatten:
             return [[placement.on(d, t) for t in reduced] for d in self.devices]
-        # The one buffer travels; each replica splits its own copy, so every
-        # result is made on its device without a copy per tensor.
+        # Each replica splits its own copy: no copy per tensor.
         results = []
         for device in self.devices:
             with tf.device(device):
@@ -78,8 +69,7 @@ class LocalTransport:
         return results
 
     def reduce_scatter(self, tensors, sum_parts=None):
-        """Row r of every replica's tensor, summed, for replica r; see
-        `tf_agn.transports.CollectiveTransport.reduce_scatter`."""
+        """As `CollectiveTransport.reduce_scatter`."""
         reduced = []
         for device, rows in zip(self.devices, self.all_to_all(tensors)):
             with tf.device(device):
@@ -87,8 +77,7 @@ class LocalTransport:
         return reduced
 
     def all_gather(self, tensors):
-        """Every replica's tensor, concatenated along the first axis in
-        replica order, on every replica."""
+        """Every replica's tensor, concatenated in replica order."""
         gathered = []
         for device in self.devices:
             with tf.device(device):
@@ -96,8 +85,7 @@ class LocalTransport:
         return gathered
 
     def all_to_all(self, tensors):
-        """Row j of each tensor to replica j, which receives every
-        replica's row for it, in replica order."""
+        """Row j of each tensor to replica j, in replica order."""
         received = []
         for j, device in enumerate(self.devices):
             with tf.device(device):
@@ -105,23 +93,13 @@ class LocalTransport:
         return received
 
     def all_gather_rows(self, tensors):
-        """Every replica's rows of each tensor, concatenated in replica
-        order; replicas may hold different numbers of rows.
-
-        Args:
-            tensors: for each replica, a list of tensors.
-
-        Returns:
-            For each replica, the list of gathered tensors.
-        """
+        """As `CollectiveTransport.all_gather_rows`."""
         with tf.device(self.reduce_device):
             gathered = [tf.concat(list(position), 0) for position in zip(*tensors)]
         return [[placement.on(device, t) for t in gathered] for device in self.devices]
 
     def all_gather_slices(self, slices, weights):
-        """Every replica's `tf.IndexedSlices`, weighted: their rows and
-        indices concatenated on the reduce device; see
-        `tf_agn.transports.CollectiveTransport.all_gather_slices`."""
+        """As `CollectiveTransport.all_gather_slices`, on the reduce device."""
         replicas = [r for r, weight in enumerate(weights) if weight != 0]
         first = slices[0]
         with tf.device(self.reduce_device):
@@ -134,12 +112,10 @@ class LocalTransport:
         return [placement.on(device, gathered) for device in self.devices]
 
     def _send(self, tensors, device, flatten, cast, weight):
-        """One replica's part of a pack, ready for the trip: weighted,
-        compressed and, where that saves work, flattened into one buffer."""
+        """One replica's part of a pack: weighted, compressed, maybe flattened."""
         with tf.device(device):
-            # A variable (a sync-on-read variable's component) is read here,
-            # on its own device: the compiled sum on the reduce device cannot
-            # read another device's resource.
+            # Read variables here: the compiled sum cannot read another
+            # device's resource.
             tensors = [tf.convert_to_tensor(t) for t in tensors]
             if not flatten:
                 if cast is None:
@@ -153,9 +129,7 @@ class LocalTransport:
             return self.flatten_packs
         if any(devices_lib.device_type(d) != "CPU" for d in self.devices):
             return True
-        # Two thousand 1 KiB tensors cost more in per-tensor work (an
-        # argument, an output and a copy per device each) than one pass
-        # over their 2 MiB does.
+        # Many small tensors cost more per tensor than one pass over them all.
         sizes = [t.shape.num_elements() or 1 for t in tensors]
         mean_bytes = sum(sizes) * tensors[0].dtype.size / len(tensors)
         return len(tensors) > 1 and mean_bytes < packing.SMALL_TENSOR_BYTES
