@@ -1,5 +1,4 @@
-"""The `Aggregating` mixin: a Keras optimizer that chooses how replicas'
-gradients are combined."""
+"""The `Aggregating` mixin: how a Keras optimizer combines replicas' gradients."""
 
 import functools
 
@@ -70,7 +69,6 @@ class Aggregating(Communicating):
             `sparse_gradients` variable or what cannot shard.
     """
 
-    # The constructor arguments this mixin adds to a Keras optimizer's.
     SETTINGS = ("aggregation_method", "accumulation_reduction", "compression",
                 "sparse_gradients", "shard_optimizer_state")
 
@@ -133,8 +131,7 @@ class Aggregating(Communicating):
             [declared_sparse(sparse, v) for v in variables],
         )
         if self.shard_optimizer_state:
-            # Before Keras's own build, which asks for the state.
-            self._sharded = ShardedState.for_optimizer(self, variables, method, compressor)
+                self._sharded = ShardedState.for_optimizer(self, variables, method, compressor)
         super().build(variables)
         if self._sharded is not None:
             self._sharded.register_parts(self, variables)
@@ -142,8 +139,7 @@ class Aggregating(Communicating):
         self._compression_state = add_compression_state(self, variables, compressor, sparse)
 
     def compression_arguments(self, variables):
-        """What `aggregate` takes to compress the gradients of `variables`:
-        the compressor, its state for them, and the step."""
+        """`aggregate`'s compression arguments for the gradients of `variables`."""
         return {
             "compressor": self.resolved_compression,
             "state": compression_state_of(self, variables, self._compression_state),
@@ -152,8 +148,7 @@ class Aggregating(Communicating):
 
     def memory_stats(self):
         """The bytes one replica holds for this optimizer and its weights, as
-        `tf_agn.memory.memory_stats` counts them (sharded state: this
-        replica's part, and the part of the weights it updates)."""
+        `tf_agn.memory.memory_stats` counts them."""
         accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
         return memory_stats(
             _compat.built_variables(self),
@@ -165,25 +160,20 @@ class Aggregating(Communicating):
     def add_variable_from_reference(
         self, reference_variable, name=None, initializer="zeros"
     ):
-        # Keras' `build` asks for the accumulators by this name; ours are
-        # replica-local (see `tf_agn.optimizers.accumulation`).
+        # Keras' `build` asks for its accumulators by this name.
         if name == _compat.KERAS_ACCUMULATOR_NAME:
             return add_accumulator(self, reference_variable, self.resolved_aggregation)
         if self._sharded is not None:
-            # The state of this replica's part alone, named as Keras names
-            # the whole variable's.
             return self._sharded.add_state(self, reference_variable, name or "var", initializer)
         return super().add_variable_from_reference(
             reference_variable, name=name, initializer=initializer
         )
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras clips and decays before the all-reduce; we do both once the
-        # gradients are combined (`_apply_combined`), where they are applied.
-        # A flag read while tracing, so the hooks keep Keras's contract.
+        # Keras clips and decays before the all-reduce; we do both after it.
         self._combining = True
-        # Keras's `apply` takes any built variables in any order; sorted as
-        # built, every replica and worker sends the same values in one order.
+        # Keras's `apply` takes variables in any order; every replica must send
+        # them in one.
         grads, trainable_variables = in_built_order(self, grads, trainable_variables)
         try:
             if self.gradient_accumulation_steps:
@@ -263,12 +253,9 @@ class Aggregating(Communicating):
             self._loss_scale = None
 
     def _update_in_place(self, grads, trainable_variables, learning_rate):
-        # Through the Keras class's own `_backend_update_step`, if it has
-        # one, to `_compat.InPlaceUpdates`'.
         super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def save_own_variables(self, store):
-        # Sharded state whole, as the unsharded optimizer saves it.
         saving.save(self, store)
 
     def load_own_variables(self, store):
@@ -279,14 +266,11 @@ class Aggregating(Communicating):
 
     @property
     def sharded_state(self):
-        """The `tf_agn.optimizers.sharding.ShardedState` of a built optimizer
-        whose state is sharded (more than one replica,
-        `shard_optimizer_state=True`), else None."""
+        """The `ShardedState` of a built optimizer whose state is sharded, else None."""
         return self._sharded
 
     def summed_state(self):
-        """The variables whose sum over the replicas is what training
-        depends on (each replica holds a share): the accumulators."""
+        """The variables whose sum over the replicas training depends on."""
         return _compat.accumulators(self) if self.gradient_accumulation_steps else []
 
     def get_config(self):
@@ -314,12 +298,9 @@ def in_built_order(optimizer, grads, variables):
 
 
 def check_strategy(optimizer):
-    """Raises if `optimizer` is used under another strategy than its own.
-
-    Keras optimizers bind to the strategy in scope when they are created;
-    TensorFlow's own error for a mismatch ("Mixing different
-    tf.distribute.Strategy objects") does not say what to do.
-    """
+    """Raises if `optimizer` is used under another strategy than its own."""
+    # TensorFlow's own error ("Mixing different tf.distribute.Strategy
+    # objects") does not say what to do.
     current = tf.distribute.get_strategy()
     created_under = _compat.creation_strategy(optimizer)
     if current is not created_under:
@@ -347,14 +328,12 @@ class Adam(Aggregating, keras.optimizers.Adam, _compat.InPlaceUpdates):
 
 @_register
 class AdamW(Aggregating, keras.optimizers.AdamW, _compat.InPlaceUpdates):
-    """`keras.optimizers.AdamW` with an `aggregation_method` (see
-    `Aggregating`)."""
+    """`keras.optimizers.AdamW` with an `aggregation_method` (see `Aggregating`)."""
 
 
 @_register
 class RMSprop(Aggregating, keras.optimizers.RMSprop, _compat.InPlaceUpdates):
-    """`keras.optimizers.RMSprop` with an `aggregation_method` (see
-    `Aggregating`)."""
+    """`keras.optimizers.RMSprop` with an `aggregation_method` (see `Aggregating`)."""
 
 
 _DROP_INS = {
