@@ -44,7 +44,7 @@ class Compressor:
         raise NotImplementedError
 
     def compress(self, tensor):
-        """Maps one (scaled) tensor to what travels, of `wire_dtype` and the same shape."""
+        """Maps one (scaled) tensor to what travels: `wire_dtype`, same shape."""
         raise NotImplementedError
 
     def decompress(self, tensor, dtype):

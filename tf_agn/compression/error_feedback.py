@@ -30,15 +30,16 @@ class ErrorFeedbackCompressor:
 
     Subclasses set `name` and implement `state_spec`, `combine` and
     `wire_bytes` (`residual` and `payload_bytes` where the defaults do not
-    fit); `tf_agn.compression.Int8` is a complete example. Only float32 values (`acts_on`) travel compressed.
+    fit); `tf_agn.compression.Int8` is a complete example. Only float32
+    values (`acts_on`) travel compressed.
 
     Args:
         error_feedback: whether to keep each replica's residual and send it
             with the next value. Without it, what compression drops is lost.
         start_step: the number of optimizer steps (`optimizer.iterations`:
-            applied steps, or commits) during which values travel uncompressed, as PyTorch's
-            `start_powerSGD_iter`. 0 (the default) compresses from the
-            first step.
+            applied steps, or commits) during which values travel
+            uncompressed, as PyTorch's `start_powerSGD_iter`. 0 (the
+            default) compresses from the first step.
 
     Attributes:
         name: a short string; every worker's compressor must have the same.
@@ -51,8 +52,8 @@ class ErrorFeedbackCompressor:
     name = None
     patterns = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
-    # start_step=0, not PyTorch's 1000: that default comes from DDP rebuilding
-    # its buckets after the first iteration. benchmarks/README.md measures it.
+    # start_step=0, not PyTorch's 1000, which comes from DDP rebuilding its
+    # buckets after the first iteration (benchmarks/README.md measures step 0).
     def __init__(self, error_feedback=True, start_step=0):
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(
@@ -71,12 +72,13 @@ class ErrorFeedbackCompressor:
         raise NotImplementedError
 
     def residual(self, state):
-        """The residual `state` holds whole, or None without error feedback."""
+        """The whole residual `state` keeps (maybe as factors), or None
+        without error feedback."""
         return state.get("residual")
 
     def state_owing(self, state, residual):
-        """`state` (a dict of arrays) owing `residual`, for a resumed run
-        on another replica count (`tf_agn.resizing`)."""
+        """`state` with `residual` (an array) as what the replica owes, for a
+        resumed run on another replica count (`tf_agn.resizing`)."""
         return dict(state, residual=residual)
 
     def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):

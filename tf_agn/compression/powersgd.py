@@ -177,7 +177,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                     plan,
                     self.rank,
                 )
-                # Outside XLA, whose outputs are copies.
+                # Outside XLA, whose outputs would be copies of M.
                 local_qs = _split_second(seconds[r], plan, self.rank)
                 compressed = iter(zip(qs, matrices[r], bases[r], local_qs))
                 replica_states = []
