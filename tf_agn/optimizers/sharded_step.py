@@ -1,6 +1,4 @@
-"""One step of an optimizer whose state is sharded: reduce-scatter the
-gradients, clip and update this replica's parts, all-gather the weights
-(see `tf_agn.optimizers.sharding`)."""
+"""One step of an optimizer whose state is sharded (`tf_agn.optimizers.sharding`)."""
 
 import tensorflow as tf
 
@@ -24,24 +22,12 @@ from tf_agn.replica_aggregation import reduce_scatter
 def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     """One sharded step of `optimizer`, in replica context.
 
-    Args:
-        optimizer: a built tf_agn optimizer whose `sharded_state` is set.
-        grads: this replica's gradients of `variables`: tensors or
-            `tf.IndexedSlices` (or, with accumulation, its window).
-        variables: any of the trainable variables the optimizer was built
-            with, in the order built (`Aggregating` sorts every call).
-        value_scale: a Python number the gradients are multiplied by first
-            (1/k for the mean of a window of k).
-        when: None, or a scalar boolean tensor, the same on every replica:
-            a window's end. Then nothing travels or changes elsewhere.
-
-    A window, or a step whose gradients travel cast or under a
-    `LossScaleOptimizer`, that is not finite on some replica is skipped on
-    all (`Aggregating.checks_combined_finite`).
+    `variables` come in the order built; `grads` are multiplied by the Python number `value_scale` first; with
+    `when`, a boolean tensor alike on every replica, nothing travels or
+    changes where it is false.
     """
     state = optimizer.sharded_state
-    # Everything kept beside Keras's state is found by the variable's
-    # position among those built, never by its position in this call.
+    # Kept by position among the variables built, never in this call.
     indices = [state.index_of(v) for v in variables]
     rank = tf.distribute.get_replica_context().replica_id_in_sync_group
     arguments = optimizer.compression_arguments(variables)
@@ -60,9 +46,8 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         else:
             dense.append(position)
     rows = {p: state.rows(grads[p], indices[p]) for p in dense}
-    # {pattern: [bytes, condition]} of this step's collectives. The
-    # all-gather of the weights moves half an all-reduce's volume, in their
-    # own dtype; `_reduce_scatter` gives the other half's.
+    # {pattern: [bytes, condition]}; the weights' all-gather is half an
+    # all-reduce's volume.
     traffic = {"all_gather": [sum(
         state.parts[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
         for i, v in zip(indices, variables)
@@ -111,8 +96,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
 
 
 def _where_finite(optimizer, parts, when):
-    """`when` (None: always), and where every replica's `parts` are finite,
-    agreed by one all-reduce; a step skipped so is not counted."""
+    """`when` (None: always), and where every replica's `parts` are finite."""
     (non_finite,) = aggregate(
         [tf.cast(tf.logical_not(all_finite(parts)), tf.float32)],
         AggregationMethod.SUM, counter=optimizer._communication, when=when,
@@ -127,8 +111,7 @@ def _where_finite(optimizer, parts, when):
 
 
 def _packs(state, indices, positions):
-    """`state.packs` of the variables at `positions` of this call, as lists
-    of those positions."""
+    """`state.packs` of the variables at `positions` of this call."""
     positions = list(positions)
     return [
         [positions[j] for j in pack]
@@ -137,14 +120,8 @@ def _packs(state, indices, positions):
 
 
 def _part_of_sparse(optimizer, grad, index, rank, value_scale, when):
-    """This replica's part of the replicas' combined sparse `grad`, as
-    `tf.IndexedSlices` of the part's elements.
-
-    The slices travel whole and uncompressed, as without sharding, and keep
-    their repeated indices: Keras's update rules treat `tf.IndexedSlices`
-    slice by slice (Adam squares each slice before repeated ones are
-    summed), so the part's update is the one the whole variable gets.
-    """
+    """This replica's part of the replicas' combined sparse `grad`."""
+    # Repeated indices are kept: Keras's rules treat slices one by one.
     state = optimizer.sharded_state
     (summed,) = aggregate(
         [grad], optimizer.resolved_aggregation,
@@ -166,14 +143,10 @@ def _part_of_sparse(optimizer, grad, index, rank, value_scale, when):
 
 
 def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
-    """This replica's part of one pack's rows `joined` ([n, length]),
-    combined with the optimizer's method as its compressor sends them.
+    """This replica's part of one pack's rows `joined` ([n, length]), combined.
 
     Returns:
-        `(part, error, sent)`: the part [length]; the new residual rows
-        (int8's error feedback; else None); `{pattern: (bytes, condition)}`
-        of the collectives it ran where `condition` (None: always) holds,
-        with the bytes this replica sends, half an all-reduce's payload.
+        `(part, new residual rows or None, {pattern: (bytes, condition)})`.
     """
     compressor, method = arguments["compressor"], optimizer.resolved_aggregation
     scale = gradient_scale() * value_scale
@@ -189,15 +162,13 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
         (summed,) = reduce_scatter([cast.compress(weighted)], AggregationMethod.SUM, when=when)
         sent = joined.shape.num_elements() * cast.wire_dtype(joined.dtype).size // 2
         return cast.decompress(summed, joined.dtype), None, {"reduce_scatter": (sent, None)}
-    # Int8: rows quantized with this replica's residual, sent by an
-    # all-to-all, summed in float32 by the part's owner.
+    # Int8: quantized rows by an all-to-all, summed by the part's owner.
     wire, error = compressor.encode_rows(weighted, residual)
     sent = compressor.rows_layout(num_replicas, length).wire_bytes // 2
     if not compressor.start_step:
         (received,) = all_to_all([wire], when)
         return compressor.sum_rows(received, length), error, {"all_to_all": (sent, None)}
-    # Before `start_step` the rows travel exactly and the residual waits;
-    # each pattern runs only where its condition holds.
+    # Before `start_step` the rows travel exactly and the residual waits.
     compressing = tf.greater_equal(arguments["step"], compressor.start_step)
     exactly = tf.logical_not(compressing)
     (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
@@ -218,11 +189,8 @@ def _both(when, condition):
 
 
 def clipped(optimizer, parts, when=None):
-    """`parts` of the gradients clipped as `optimizer` clips whole
-    gradients, with norms taken over every replica's parts."""
-    # Keras's and TensorFlow's formulas (`clip_by_global_norm`,
-    # `tf.clip_by_norm`), on norms that one all-reduce of each part's sum of
-    # squares completes.
+    """`parts` of the gradients clipped as `optimizer` clips whole gradients."""
+    # Keras's and TensorFlow's formulas, on norms across replicas.
     counter = optimizer._communication
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         norms = whole_norms(parts, when, counter)
@@ -243,8 +211,7 @@ def clipped(optimizer, parts, when=None):
 
 
 def whole_norms(parts, when=None, counter=None):
-    """Each variable's whole L2 norm, from every replica's `parts` of it
-    (one all-reduce, recorded in `counter` if given)."""
+    """Each variable's whole L2 norm, from every replica's `parts` of it."""
     squares = tf.stack([
         tf.reduce_sum(tf.square(tf.cast(_values(p), tf.float32))) for p in parts
     ])
@@ -254,7 +221,6 @@ def whole_norms(parts, when=None, counter=None):
 
 
 def _values(part):
-    """The values of a part: a tensor, or a `tf.IndexedSlices`' slices."""
     return part.values if isinstance(part, tf.IndexedSlices) else part
 
 

@@ -1,5 +1,4 @@
-"""`WrappingOptimizer`: the base of tf_agn's optimizers that step with the
-Keras optimizer they wrap."""
+"""`WrappingOptimizer`: steps with the Keras optimizer it wraps."""
 
 import keras
 
@@ -12,19 +11,13 @@ from tf_agn.optimizers.aggregating import aggregating_class
 class WrappingOptimizer(keras.optimizers.Optimizer):
     """A Keras optimizer that steps with the optimizer it wraps.
 
-    Like Keras' `LossScaleOptimizer`, it holds no hyperparameters of its
-    own: `learning_rate` and `iterations` are the wrapped optimizer's. The
-    wrapped optimizer is `inner_optimizer`, rebuilt from its config with
-    `tf_agn.optimizers.Aggregating` mixed in, and with the variables and
-    names it was told to `exclude_from_weight_decay`. The base of
-    `tf_agn.optimizers.DistributedOptimizer` and `WindowedOptimizer`.
+    `learning_rate` and `iterations` are the wrapped optimizer's, which is
+    `inner_optimizer`, rebuilt with `tf_agn.optimizers.Aggregating` mixed in.
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to wrap, not built yet.
-            Its class must round-trip through `get_config`/`from_config`.
         settings: the inner optimizer's config entries that differ from
-            `optimizer`'s (`Aggregating`'s arguments, or Keras's
-            `gradient_accumulation_steps`).
+            `optimizer`'s.
         name: the wrapper's name.
         **kwargs: more arguments of `keras.optimizers.Optimizer` for the
             wrapper (`learning_rate` is refused).
@@ -41,14 +34,11 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         config = dict(optimizer.get_config(), **settings)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._wrapped_class = type(optimizer)
-        # Rebuilt with `Aggregating` mixed in: the update rule and state
-        # stay the user's, and gradients travel as tf_agn's do.
         self.inner_optimizer = aggregating_class(type(optimizer)).from_config(config)
         _compat.copy_weight_decay_exclusions(optimizer, self.inner_optimizer)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the wrapped optimizer's weight decay; see
-        `keras.optimizers.Optimizer.exclude_from_weight_decay`."""
+        """Excludes variables from the wrapped optimizer's weight decay."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def build(self, var_list):
@@ -85,8 +75,6 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.loss_scale_factor = value
 
     def save_own_variables(self, store):
-        # The wrapped optimizer's variables are among `variables`; sharded
-        # state is saved whole.
         saving.save(self, store)
 
     def load_own_variables(self, store):
@@ -99,13 +87,7 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def plain_inner_optimizer(self):
-        """A new, unbuilt copy of the wrapped optimizer, of the user's class.
-
-        Returns:
-            A `keras.optimizers.Optimizer` with the inner optimizer's
-            hyperparameters and weight decay exclusions, and none of its
-            state.
-        """
+        """A new, unbuilt copy of the wrapped optimizer, of the user's class."""
         config = self.inner_optimizer.get_config()
         if not issubclass(self._wrapped_class, Aggregating):
             for setting in Aggregating.SETTINGS:
@@ -116,8 +98,7 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         return plain
 
     def get_config(self):
-        # The inner optimizer is serialized as the user's own class, so that
-        # loading needs nothing but Keras and tf_agn.
+        # As the user's own class: loading needs nothing but Keras and tf_agn.
         config = {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.plain_inner_optimizer()),
@@ -134,11 +115,8 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
 
 
 def check_wrappable(owner, optimizer, kwargs):
-    """Raises unless `optimizer` can be wrapped by `owner` with `kwargs`;
-    see `WrappingOptimizer`'s Raises."""
+    """Raises unless `optimizer` can be wrapped by `owner` with `kwargs`."""
     if "learning_rate" in kwargs:
-        # Keras' own error would be "got multiple values for keyword
-        # argument", from inside its constructor.
         raise TypeError(
             f"{owner} takes no learning_rate: the optimizer it wraps has its "
             f"own; received learning_rate={kwargs['learning_rate']!r}."
@@ -148,9 +126,6 @@ def check_wrappable(owner, optimizer, kwargs):
             f"{owner} wraps a keras.optimizers.Optimizer (Keras 3); received "
             f"{optimizer!r} of type {type(optimizer).__name__}."
         )
-    # Keras puts its LossScaleOptimizer around the wrapper under mixed
-    # precision, the right order: the loss scale is undone before gradients
-    # travel.
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             f"Wrap the inner optimizer, not a LossScaleOptimizer: Keras adds "
