@@ -22,9 +22,9 @@ from tf_agn.replica_aggregation import reduce_scatter
 def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     """One sharded step of `optimizer`, in replica context.
 
-    `variables` come in the order built; `grads` are multiplied by the Python number `value_scale` first; with
-    `when`, a boolean tensor alike on every replica, nothing travels or
-    changes where it is false.
+    `variables` come in the order built; `grads` are multiplied by the
+    Python number `value_scale` first; with `when`, a boolean tensor alike
+    on every replica, nothing travels or changes where it is false.
     """
     state = optimizer.sharded_state
     # Kept by position among the variables built, never in this call.
