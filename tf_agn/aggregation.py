@@ -6,18 +6,11 @@ import tensorflow as tf
 
 
 class AggregationMethod(enum.Enum):
-    """How gradients (or other values) from several replicas are combined.
+    """How values from several replicas are combined.
 
-    The names mirror `tf.VariableAggregation`. They are not
-    `tf.AggregationMethod` (ADD_N, EXPERIMENTAL_TREE, ...), which governs how
-    several gradient contributions to one tensor are summed inside one graph.
-
-    | method             | every replica receives          |
-    |--------------------|---------------------------------|
-    | NONE               | its own value: no communication |
-    | SUM                | the sum over replicas           |
-    | MEAN               | the mean over replicas          |
-    | ONLY_FIRST_REPLICA | replica 0's value               |
+    Every replica receives the SUM or MEAN over replicas, replica 0's value
+    (ONLY_FIRST_REPLICA), or keeps its own (NONE). The names mirror
+    `tf.VariableAggregation`, not `tf.AggregationMethod`.
 
     Example:
 
@@ -38,14 +31,10 @@ class AggregationMethod(enum.Enum):
 
         Args:
             value: an `AggregationMethod`, a `tf.distribute.ReduceOp`, or a
-                member's name in any case ("mean", "MEAN", ...).
-
-        Returns:
-            An `AggregationMethod`.
+                member's name in any case.
 
         Raises:
-            ValueError: if `value` names no member. The message lists the
-                allowed names.
+            ValueError: if `value` names no member.
         """
         if isinstance(value, cls):
             return value
@@ -62,7 +51,7 @@ class AggregationMethod(enum.Enum):
 
     @classmethod
     def names(cls):
-        """Returns the members' names in lower case, as flags spell them."""
+        """The members' names in lower case, as flags spell them."""
         return [member.value for member in cls]
 
     @property
@@ -77,21 +66,9 @@ class AggregationMethod(enum.Enum):
 
 
 def method_scale(method, dtype, num_replicas, value_scale):
-    """The factor a combination with `method` applies to the sum (or to
-    replica 0's value).
-
-    Args:
-        method: an `AggregationMethod`.
-        dtype: the values' `tf.DType`.
-        num_replicas: how many replicas' values are combined.
-        value_scale: a Python number every value is multiplied by.
-
-    Returns:
-        A Python number.
-
-    Raises:
-        ValueError: for a MEAN or a scale of integers.
-    """
+    """The Python factor `method` applies to the sum of `num_replicas`
+    values, each scaled by `value_scale`; raises ValueError for a MEAN or a
+    scale of integers."""
     if dtype.is_integer:
         if method is AggregationMethod.MEAN or value_scale != 1:
             raise ValueError(
@@ -106,23 +83,9 @@ def method_scale(method, dtype, num_replicas, value_scale):
 
 
 def contributes(method, replica_id):
-    """Whether replica `replica_id` adds its value to a combination with
-    `method`: every replica does, but with ONLY_FIRST_REPLICA only replica
-    0 does.
-
-    Args:
-        method: an `AggregationMethod`.
-        replica_id: the replica's index among all replicas of all workers,
-            a Python int or a scalar integer tensor.
-
-    Returns:
-        A Python bool, or a scalar boolean tensor for a tensor `replica_id`.
-
-    Example:
-
-    >>> contributes(AggregationMethod.ONLY_FIRST_REPLICA, 2)
-    False
-    """
+    """Whether global replica `replica_id` (an int or a scalar tensor) adds
+    its value under `method`: all do, but only replica 0 for
+    ONLY_FIRST_REPLICA."""
     if method is not AggregationMethod.ONLY_FIRST_REPLICA:
         return True
     if isinstance(replica_id, int):
@@ -131,23 +94,9 @@ def contributes(method, replica_id):
 
 
 def replica_weights(method, dtype, transport, value_scale):
-    """Each local replica's weight in the sum over replicas that realizes
-    `method` (anything but NONE).
-
-    Args:
-        method: an `AggregationMethod`.
-        dtype: the values' `tf.DType`.
-        transport: the `tf_agn.transports` transport that sums them.
-        value_scale: a Python number every value is multiplied by.
-
-    Returns:
-        One weight per local replica of `transport`: a Python number (0 for
-        a replica that adds nothing), or a scalar float32 tensor where the
-        replica's rank is one (`tf_agn.transports.ReplicaTransport`).
-
-    Raises:
-        ValueError: for a MEAN or a scale of integers.
-    """
+    """Each local replica's weight in the sum over `transport` that realizes
+    `method` (not NONE): a Python number, or a float32 scalar where the rank
+    is a tensor (`ReplicaTransport`)."""
     scale = method_scale(method, dtype, transport.size, value_scale)
     weights = []
     for replica in range(len(transport.devices)):

@@ -6,7 +6,6 @@ import tensorflow as tf
 from tf_agn.compression import is_stateful
 
 
-# The collective patterns a counter counts, each under "<pattern>_calls".
 PATTERNS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
@@ -14,28 +13,15 @@ class CommunicationCounter:
     """Counts an optimizer's collectives, per pattern, and the bytes one
     replica sends and receives in them.
 
-    Every aggregation (SUM, MEAN or ONLY_FIRST_REPLICA; the finite
-    agreements and the clip norms of sharded state too) counts as one
-    all-reduce, however its compressor builds it. Sharded state
-    (`shard_optimizer_state=True`) counts, per step, one reduce-scatter of
-    the gradients (an all-to-all for int8) and one all-gather of the
-    weights. `bytes_sent` counts the payload (`payload_bytes`): the bytes
-    of one replica's values as they travel, as a compressor shrinks them
-    (2 bytes per float32 for "fp16" and "bf16"; for "int8" a byte per
-    element and a float32 scale per chunk, its packs padded to whole chunks
-    for every replica; (rows + cols) * rank floats per matrix for PowerSGD;
-    float32 before a compressor's `start_step`), and half of it for a
-    reduce-scatter or an all-gather of sharded state. A ring all-reduce,
-    or int8's all-to-all and all-gather, moves about twice the payload in
-    and out of each replica (`tf_agn.transports.traffic`); the payload is
-    what compression changes. `bytes_received` counts the same payload,
-    but (n - 1) payloads where a strategy without tf_agn's ops all-gathers
-    what int8 reduces. NONE sends nothing and is not counted.
-
-    The counts are variables of the counter, not of the optimizer: an
-    optimizer's `variables`, and what it saves, stay exactly those of
-    Keras' optimizer of the same class. They start at zero when the
-    optimizer is built (after loading too).
+    Every aggregation but NONE counts as one all-reduce; sharded state
+    counts a reduce-scatter of the gradients (all-to-all for int8) and an
+    all-gather of the weights per step. `bytes_sent` is the payload as a
+    compressor shrinks it (`payload_bytes`), half of it for sharded
+    state's collectives; a ring moves about twice that
+    (`tf_agn.transports.traffic`). `bytes_received` is the same, but
+    (n - 1) payloads where a strategy without tf_agn's ops all-gathers what
+    int8 reduces. The counts are not the optimizer's variables, so it saves
+    what Keras's does; they start at zero when it is built.
 
     Args:
         optimizer: the Keras optimizer whose collectives are counted.
@@ -52,16 +38,9 @@ class CommunicationCounter:
             }
 
     def record(self, pattern, payload, when=None, received=None):
-        """Adds one collective.
-
-        Args:
-            pattern: "all_reduce", "reduce_scatter", "all_gather" or
-                "all_to_all".
-            payload: the bytes this replica sent, an int or a scalar
-                integer tensor (`payload_bytes`).
-            when: None, or a scalar boolean tensor: count only where true.
-            received: the bytes it received; by default `payload`.
-        """
+        """Adds one collective of `pattern` (one of `PATTERNS`) that sent
+        `payload` bytes and received `received` (default `payload`), where
+        the boolean tensor `when` (if given) is true."""
         times = tf.constant(1, tf.int64) if when is None else tf.cast(when, tf.int64)
         self.counts[f"{pattern}_calls"].assign_add(times)
         self.counts["bytes_sent"].assign_add(tf.cast(payload, tf.int64) * times)
@@ -69,41 +48,21 @@ class CommunicationCounter:
         self.counts["bytes_received"].assign_add(tf.cast(received, tf.int64) * times)
 
     def result(self):
-        """Returns `{"all_reduce_calls": int, "reduce_scatter_calls": int,
-        "all_gather_calls": int, "all_to_all_calls": int, "bytes_sent":
-        int, "bytes_received": int}`."""
+        """Returns `{"<pattern>_calls": int, ..., "bytes_sent": int,
+        "bytes_received": int}`."""
         return {name: int(count.numpy()) for name, count in self.counts.items()}
 
 
 def payload_bytes(
     values, compressor=None, step=None, num_replicas=1, bytes_per_pack=None, gathered=False
 ):
-    """The bytes one replica sends to aggregate `values`, as they travel, or
-    with `gathered`, those it receives.
+    """The bytes one replica sends to aggregate `values` in `compressor`'s
+    form, or with `gathered`, receives where reduce-scatter and all-to-all
+    are all-gathers (`ReplicaTransport`).
 
-    Sparse values (`tf.IndexedSlices`: their rows and indices) travel
-    exactly, and so do dense ones a stateful compressor does not act on. A
-    cast compresses every dense value (`wire_bytes`); an
-    `ErrorFeedbackCompressor` sends the values it acts on in its own
-    buffers (`payload_bytes`), and uncompressed before its `start_step`.
-
-    Args:
-        values: this replica's tensors or `tf.IndexedSlices`.
-        compressor: the `tf_agn.compression` compressor they travel in, or
-            None.
-        step: for an `ErrorFeedbackCompressor` with a `start_step`: the
-            optimizer's step, a scalar integer tensor.
-        num_replicas, bytes_per_pack: for an `ErrorFeedbackCompressor`: the
-            replicas of all workers, and the most bytes one of its packs
-            holds (the transport's `bytes_per_pack`).
-        gathered: whether to count what one replica receives from a
-            transport whose reduce-scatter and all-to-all are all-gathers
-            (`tf_agn.transports.ReplicaTransport`): (n - 1) payloads of a
-            compressor that uses them.
-
-    Returns:
-        An int; a scalar int64 tensor where the count depends on `step` or
-        on a shape unknown while tracing (the rows of an `IndexedSlices`).
+    `step`, `num_replicas` and `bytes_per_pack` matter only for an
+    `ErrorFeedbackCompressor`. Returns an int, or an int64 scalar where the
+    count depends on `step` or on a shape unknown while tracing.
     """
     compressed = [v for v in values if _compresses(compressor, v)]
     exact = sum(_exact_bytes(v) for v in values if not _compresses(compressor, v))
@@ -115,8 +74,7 @@ def payload_bytes(
     if gathered and gathers(compressor):
         sent *= num_replicas - 1
     if compressor.start_step:
-        # Until then `tf_agn.combining.combine_replicas` sums them
-        # uncompressed.
+        # Until then `combine_replicas` sums them uncompressed.
         uncompressed = sum(_exact_bytes(v) for v in compressed)
         sent = tf.where(
             step < compressor.start_step,
@@ -127,15 +85,13 @@ def payload_bytes(
 
 
 def gathers(compressor):
-    """Whether `compressor` uses a reduce-scatter or an all-to-all, which a
-    strategy without tf_agn's ops builds from an all-gather of whole
-    buffers."""
+    """Whether `compressor` uses a reduce-scatter or an all-to-all (all-gathers
+    of whole buffers without tf_agn's ops)."""
     return bool({"reduce_scatter", "all_to_all"} & set(compressor.patterns))
 
 
 def _compresses(compressor, value):
-    """Whether `value` travels in `compressor`'s form (as
-    `tf_agn.AggregatingAllReduce.aggregate` routes it)."""
+    """Whether `value` travels in `compressor`'s form."""
     if compressor is None or isinstance(value, tf.IndexedSlices):
         return False
     if not value.shape.is_fully_defined():
@@ -153,11 +109,7 @@ def _exact_bytes(value):
 
 
 def communication_stats(optimizer):
-    """`optimizer`'s counts, or zeros before it is built.
-
-    Returns:
-        `CommunicationCounter.result()`'s dict.
-    """
+    """`optimizer`'s `CommunicationCounter.result()`, or zeros before it is built."""
     if not optimizer.built:
         names = [f"{pattern}_calls" for pattern in PATTERNS] + ["bytes_sent", "bytes_received"]
         return dict.fromkeys(names, 0)

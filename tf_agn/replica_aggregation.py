@@ -1,6 +1,4 @@
-"""`aggregate`: combining this replica's values with the other replicas',
-from inside a replica; what tf_agn's optimizers call instead of Keras'
-all-reduce."""
+"""`aggregate`: combining values across replicas from replica context."""
 
 import functools
 import warnings
@@ -20,30 +18,26 @@ from tf_agn.transports import ReplicaTransport
 
 
 def tf_agn_ops(strategy):
-    """Returns `strategy`'s `AggregatingAllReduce`, or None if it has other ops."""
+    """`strategy`'s `AggregatingAllReduce`, or None."""
     ops = _compat.cross_device_ops(strategy.extended, required=False)
     return ops if isinstance(ops, AggregatingAllReduce) else None
 
 
 def default_aggregation(strategy):
-    """The method an optimizer without its own uses under `strategy`: the
-    `aggregation` of its `AggregatingAllReduce`, or MEAN (stock Keras')."""
+    """The `AggregatingAllReduce`'s `aggregation`, or MEAN as stock Keras."""
     ops = tf_agn_ops(strategy)
     return ops.aggregation if ops is not None else AggregationMethod.MEAN
 
 
 def default_compression(strategy):
-    """The compressor an optimizer without its own uses under `strategy`:
-    the `compression` of its `AggregatingAllReduce`, or None."""
+    """The `AggregatingAllReduce`'s compressor, or None."""
     ops = tf_agn_ops(strategy)
     return None if ops is None else ops.compressor
 
 
 def gradient_scale():
-    """What undoes Keras' loss scaling in replica context: Keras divides
-    every replica's loss by the number of replicas n
-    (`keras.src.losses.loss.scale_loss_for_distribution`), so each
-    gradient arrives as g_r / n; multiplied by this, it is g_r."""
+    """The factor that undoes Keras's division of each replica's loss by n
+    (`scale_loss_for_distribution`)."""
     context = tf.distribute.get_replica_context()
     return 1 if context is None else context.num_replicas_in_sync
 
@@ -60,37 +54,28 @@ def aggregate(
 ):
     """Combines this replica's values with the other replicas'.
 
-    Call it in replica context (inside `strategy.run`; Keras' `train_step`
-    is). Under tf_agn's `AggregatingAllReduce` the values travel by its
-    transport, all local replicas at once; under any other strategy
-    (`TPUStrategy` among them) each replica sends its own through the
-    strategy's replica-context `all_reduce` and `all_gather`
-    (`tf_agn.transports.ReplicaTransport`). Either way they are compressed
-    by `compressor`.
+    Call it in replica context (inside `strategy.run`). Under tf_agn's
+    `AggregatingAllReduce` the values travel by its transport; under any
+    other strategy by the replica context's own collectives.
 
     Args:
         values: this replica's tensors or `tf.IndexedSlices`; None entries
             pass through.
         method: a `tf_agn.AggregationMethod` or its name.
-        value_scale: a Python number every value is multiplied by first
-            (`gradient_scale()` for gradients; 1/k for the mean of k
-            accumulated steps).
+        value_scale: a Python number every value is multiplied by first.
         compressor: None, or the `tf_agn.compression` compressor the values
             travel in.
-        state: for an `ErrorFeedbackCompressor`: one dict per value, from
-            each name of its `state_spec` to this replica's variable, which
-            is read, and assigned the new state.
+        state: for an `ErrorFeedbackCompressor`: one dict per value from
+            its `state_spec` names to this replica's variables.
         step: for an `ErrorFeedbackCompressor` with a `start_step`: the
             optimizer's step.
         counter: an optional `tf_agn.CommunicationCounter` to record in.
-        when: None to always combine, or a scalar boolean tensor with the
-            same value on every replica: the values are combined (and
-            counted) only where it is true, and come back as given where
-            it is false.
+        when: None, or a scalar boolean tensor alike on every replica:
+            where false, the values come back as given, uncounted.
 
     Returns:
-        The combined values, in a list laid out like `values`. With NONE,
-        or a single replica, they are this replica's own, scaled.
+        The combined values, laid out like `values`; with NONE or one
+        replica, this replica's own, scaled.
 
     Raises:
         ValueError: for an unknown method.
@@ -112,7 +97,6 @@ def aggregate(
         combined = _scaled(tensors, value_scale, when)
     else:
         ops = tf_agn_ops(context.strategy)
-        # Under other cross-device ops, each replica by itself.
         transport = ReplicaTransport(context) if ops is None else None
         if counter is not None:
             count = functools.partial(
@@ -132,9 +116,7 @@ def aggregate(
                 transport, method, tensors, value_scale, compressor, variables, step, when
             )
         else:
-            # All local replicas at once, in one `merge_call`. A stateful
-            # compressor's state travels into it as this replica's values;
-            # its new values are assigned to this replica's variables after.
+            # All local replicas in one `merge_call`, state in and out.
             states = _read(variables)
             step = None if step is None else tf.convert_to_tensor(step)
             combined, new_states = context.merge_call(
@@ -149,11 +131,7 @@ def aggregate(
 
 
 def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, values, states):
-    """The cross-replica half of `aggregate` under `AggregatingAllReduce`.
-
-    Returns:
-        `(combined, new_states)`, as distributed values.
-    """
+    """`aggregate`'s cross-replica half: `(combined, new_states)`."""
     local = strategy.experimental_local_results
     per_replica = [list(replica) for replica in zip(*[local(v) for v in values])]
     per_replica_states = None
@@ -172,10 +150,7 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
     if when is None:
         combined, new_states = combine()
     else:
-        # Every replica enters the `merge_call` on every step, which is
-        # allowed; the condition is taken here, in cross-replica context,
-        # so that the transport's ops (any collective among them) run on
-        # no replica, or on all.
+        # Taken in cross-replica context, so collectives run on all replicas or none.
         combined, new_states = tf.cond(
             local(when)[0], combine, lambda: (per_replica, per_replica_states)
         )
@@ -186,28 +161,10 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
 
 
 def reduce_scatter(tensors, method, value_scale=1, when=None):
-    """This replica's row of every replica's tensors, combined with `method`.
-
-    Call it in replica context under tf_agn's `AggregatingAllReduce`
-    (`tf_agn.strategies.mirrored`, `multi_worker_mirrored`): what sharded
-    optimizer state (`shard_optimizer_state=True`) sends its gradients by.
-    With a ring it moves half an all-reduce's volume.
-
-    Args:
-        tensors: this replica's tensors, each with a first dimension of n,
-            the replicas in sync: row r is for replica r.
-        method: SUM or MEAN, or their names.
-        value_scale: a Python number every value is multiplied by first.
-        when: None, or a scalar boolean tensor with the same value on every
-            replica: where it is false nothing travels, and the results
-            are not the combination (see `aggregate`).
-
-    Returns:
-        For each tensor, this replica's row of the combination.
-
-    Raises:
-        ValueError: for another method, or under other cross-device ops.
-    """
+    """Row r of the SUM or MEAN of `tensors` (first dimension n) for
+    replica r, in replica context under `AggregatingAllReduce`; raises
+    ValueError otherwise. Where `when` is false, nothing travels and the
+    results are placeholders."""
     method = AggregationMethod.parse(method)
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         raise ValueError(f"reduce_scatter combines by SUM or MEAN; received {method.name}.")
@@ -218,43 +175,18 @@ def reduce_scatter(tensors, method, value_scale=1, when=None):
 
 
 def all_gather(tensors, when=None):
-    """Every replica's tensors, concatenated along their first axis in
-    replica order, as `reduce_scatter` asks (its counterpart).
-
-    Args:
-        tensors: this replica's tensors, of the same shape on every replica.
-        when: as `reduce_scatter` takes it.
-
-    Returns:
-        For each tensor, the concatenation.
-
-    Raises:
-        ValueError: under other cross-device ops.
-    """
+    """Every replica's `tensors` concatenated in replica order
+    (`reduce_scatter`'s counterpart)."""
     return _pattern("all_gather", tensors, lambda t: t, when)
 
 
 def all_to_all(tensors, when=None):
-    """Row j of this replica's tensors to replica j: for each tensor, the n
-    rows the replicas sent this replica, in replica order (what int8
-    reduce-scatters by).
-
-    Args:
-        tensors: this replica's tensors, each with a first dimension of n.
-        when: as `reduce_scatter` takes it.
-
-    Returns:
-        For each tensor, a tensor of its shape: row j from replica j.
-
-    Raises:
-        ValueError: under other cross-device ops.
-    """
+    """Sends row j of each tensor to replica j; returns row j from replica j."""
     return _pattern("all_to_all", tensors, lambda t: t, when)
 
 
 def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
-    """`pattern` of `tensors` on the transport of the strategy's ops, in one
-    `merge_call`; `alone(tensor)` where this replica is the only one."""
+    """`pattern` of `tensors` in one `merge_call`, or `alone(t)` with one replica."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return [alone(t) for t in tensors]
@@ -272,7 +204,6 @@ def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
 
 
 def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
-    """The cross-replica half of `_pattern`."""
     local = strategy.experimental_local_results
     per_replica = [list(replica) for replica in zip(*[local(t) for t in tensors])]
     transport = ops.transport_for(tensors[0])
@@ -285,8 +216,7 @@ def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
     if when is None:
         results = launch()
     else:
-        # As `_combine_merged`: the condition in cross-replica context. Where
-        # it is false, tensors of the results' shapes stand in.
+        # As in `_combine_merged`; where false, tensors of the right shapes.
         n = transport.size
 
         def stand_in():
@@ -300,15 +230,14 @@ def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
 
 
 def _stand_in(pattern, tensor, n):
-    """A tensor of the shape `pattern` gives for `tensor` among n replicas."""
+    """A tensor of the shape `pattern` gives for `tensor`."""
     if pattern == "reduce_scatter":
         return tensor[0]
     return tensor if pattern == "all_to_all" else tf.concat([tensor] * n, 0)
 
 
 def _launch_each(transport, pattern, method, value_scale, per_replica):
-    """One `pattern` per position of the local replicas' lists, weighted
-    for `method` before a reduce-scatter."""
+    """One `pattern` per position of the local replicas' lists."""
     results = [[] for _ in per_replica]
     for position in range(len(per_replica[0])):
         tensors = [replica[position] for replica in per_replica]
@@ -331,8 +260,7 @@ def _launch_each(transport, pattern, method, value_scale, per_replica):
 def _aggregate_in_replica(
     transport, method, values, value_scale, compressor, variables, step, when
 ):
-    """`aggregate` under other cross-device ops, on this replica's own
-    `ReplicaTransport`."""
+    """`aggregate` on this replica's own `ReplicaTransport`."""
     if when is None:
         states = None if variables is None else [_read(variables)]
         (combined,), new_states = combine_replicas(
@@ -341,9 +269,8 @@ def _aggregate_in_replica(
         _assign(variables, None if new_states is None else new_states[0])
         return combined
 
-    # A strategy cannot synchronize replicas inside a `tf.cond` taken in
-    # replica context; in cross-replica context, inside a `merge_call`, it
-    # can start them again for the branch.
+    # Replicas cannot synchronize inside a replica-context `tf.cond`; inside
+    # a `merge_call` the strategy can start them again for the branch.
     def combine_if(strategy, when, values):
         local = strategy.experimental_local_results
 
@@ -364,11 +291,8 @@ def _aggregate_in_replica(
 
 
 def _warn_if_gathering_costs_more(context, compressor, values, transport):
-    """Warns, while tracing, where `compressor` under a strategy without
-    tf_agn's ops receives more than an uncompressed ring all-reduce would:
-    its reduce-scatter is an all-gather, so each of n replicas receives
-    n - 1 payloads, where a float32 ring receives 2 (n - 1) / n values'
-    worth (int8: from about 8 replicas)."""
+    """Warns where all-gathering n - 1 compressed payloads costs more than a
+    float32 ring all-reduce (int8: from about 8 replicas)."""
     if not compression.is_stateful(compressor) or not gathers(compressor):
         return
     shapes = [
@@ -391,12 +315,10 @@ def _warn_if_gathering_costs_more(context, compressor, values, transport):
 
 
 def _read(variables):
-    """This replica's values of `variables` (any structure), or None."""
     return None if variables is None else tf.nest.map_structure(tf.convert_to_tensor, variables)
 
 
 def _assign(variables, values):
-    """Assigns each of `values` to its variable, where there are any."""
     if variables is not None:
         for variable, value in zip(tf.nest.flatten(variables), tf.nest.flatten(values)):
             variable.assign(value)
@@ -413,5 +335,4 @@ def _scaled(values, value_scale, when):
 
 
 def _regroup_each(parts):
-    """One distributed value per list of per-replica tensors."""
     return [_compat.regroup(tuple(replicas)) for replicas in parts]
