@@ -20,31 +20,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     """Cross-device ops that pack tensors and reduce them in XLA.
 
     Use it as `tf.distribute.MirroredStrategy(cross_device_ops=...)`, or
-    build the strategy with `tf_agn.strategies.mirrored(...)` (one process)
-    or `tf_agn.strategies.multi_worker_mirrored(...)` (several).
-
-    TensorFlow's entry points (`strategy.reduce`, `batch_reduce_to`,
-    `broadcast_to`, `strategy.gather`, `replica_context.all_reduce`), which
-    Keras's own optimizers, its loss and metric logs and on-read variables
-    use, do exactly the SUM or MEAN asked for, uncompressed. tf_agn's
-    optimizers combine through `tf_agn.aggregate`, with any
-    `tf_agn.AggregationMethod` and compression; `aggregation` and
-    `compression` are their defaults under a strategy with these ops.
-
-    Dense tensors travel in packs of one dtype and at most
-    `bytes_per_pack` bytes; sparse ones (`tf.IndexedSlices`) are gathered,
-    not densified. A pack travels by one of two transports
-    (`tf_agn.transports`): "local" sums it on one reduce device in one
-    XLA-compiled call; "collective" runs TensorFlow's collective ops (NCCL
-    on GPUs, a ring on CPUs and across workers). "auto" takes "collective"
-    across workers and on physical GPUs, and "local" for devices of one
-    process that share host memory. Integer values can be summed; their
-    MEAN has no integer answer and is refused.
-
-    `tf.distribute.experimental.CommunicationOptions` that TensorFlow's
-    callers pass (`strategy.reduce(..., options=)`) take precedence over
-    the constructor's `bytes_per_pack`, `timeout_seconds` and
-    `implementation`, field by field, wherever they set one.
+    through `tf_agn.strategies.mirrored` / `multi_worker_mirrored`.
+    TensorFlow's own entry points (`strategy.reduce`, `replica_context.all_reduce`,
+    ...) get exactly the SUM or MEAN asked for, uncompressed;
+    `aggregation` and `compression` are only the defaults of tf_agn's
+    optimizers. Dense tensors travel in packs, sparse ones are gathered.
+    `CommunicationOptions` a caller passes override the constructor's,
+    field by field.
 
     Example:
 
@@ -55,38 +37,29 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
     ```
 
     Args:
-        aggregation: the default `AggregationMethod` (or its name) for tf_agn
-            optimizers in a strategy that uses these ops.
-        bytes_per_pack: the most bytes one pack may hold; 4 MiB by default.
+        aggregation: the default `AggregationMethod` (or its name) of tf_agn
+            optimizers.
+        bytes_per_pack: the most bytes one pack of one dtype may hold.
         compression: None, "fp16", "bf16", "int8" or a `tf_agn.compression`
-            compressor: the default of the tf_agn optimizers under the
-            strategy. TensorFlow's entry points never compress.
+            compressor: the default of tf_agn optimizers.
         jit_compile: whether to compile the packing and reduction with XLA.
         reduce_to_device: the device that reduces for "local"; by default
             the first replica's.
-        flatten_packs: "auto", True or False, for "local": whether each
-            replica's part of a pack is concatenated into one flat buffer
-            before it travels.
-        transport: "auto", "local" or "collective".
-        timeout_seconds: for "collective": how long a collective may wait
-            for its peers before it fails with `DeadlineExceededError`;
-            None or 0 (the default) waits for ever. TensorFlow holds a
-            thread per collective for the whole timeout, so keep it short
-            (seconds to minutes) where steps are fast.
-        implementation: for "collective": a
-            `tf.distribute.experimental.CommunicationImplementation` or its
-            name ("auto", "ring", "nccl"); AUTO is NCCL on GPUs, RING
-            elsewhere.
-        num_workers: how many processes run this program together;
-            `tf_agn.strategies.multi_worker_mirrored` sets it.
-        worker_index: this process's place among them, as
-            `MultiWorkerMirroredStrategy` numbers its workers.
+        flatten_packs: "auto", True or False, for "local": whether a
+            replica's part of a pack travels as one flat buffer.
+        transport: "auto", "local" (one XLA sum on one device) or
+            "collective" (TensorFlow's collectives; "auto" takes it across
+            workers and on GPUs).
+        timeout_seconds: for "collective": how long a collective waits for
+            its peers (None or 0: for ever). TensorFlow holds a thread per
+            collective for the whole timeout, so keep it short.
+        implementation: for "collective": a `CommunicationImplementation`
+            or its name ("auto", "ring", "nccl").
+        num_workers: how many processes run this program together.
+        worker_index: this process's index among them.
 
     Raises:
-        ValueError: for an unknown aggregation, compression, transport or
-            implementation, a `bytes_per_pack` that is not a positive int,
-            a negative `timeout_seconds`, "local" across workers, or a
-            `worker_index` outside `range(num_workers)`.
+        ValueError: naming a bad argument.
     """
 
     def __init__(
@@ -122,13 +95,9 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             implementation=_parse_implementation(implementation),
         )
 
-    # TensorFlow's hooks: exact SUM and MEAN, never compressed.
-
     @property
     def _num_between_graph_workers(self):
-        # TensorFlow's `CrossDeviceOps.reduce` and `batch_reduce` hand a
-        # lone local replica's value back unreduced when this is 1: with one
-        # replica per worker, nothing would cross workers.
+        # When 1, TensorFlow returns a lone local replica's value unreduced.
         return self.num_workers
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -147,8 +116,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             with tf.device(self.reduce_to_device or devices[0]):
                 gathered = tf.concat(per_replica_value.values, axis=axis)
             return placement.mirror(gathered, devices)
-        # Across workers every replica all-gathers; each worker's result
-        # holds every replica of every worker, in global replica order.
         transport = self.transport_for(per_replica_value, destinations, options)
         gather = transport.eager(
             ("gather", _static_axis(axis)),
@@ -157,11 +124,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         return self._place(gather(list(per_replica_value.values)), transport.devices, devices)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
-        # One replica's all-reduce, in replica context, without merge_call:
-        # `MultiWorkerMirroredStrategy` calls it inside XLA-compiled steps
-        # on GPUs, and TensorFlow's own tests on ops used without a
-        # strategy. Each replica launches its own part of every collective,
-        # which only the collective transport can do.
+        # Without merge_call (MultiWorkerMirroredStrategy's XLA steps on GPUs):
+        # each replica launches its own part, which only collectives can.
         flat = tf.nest.flatten(value, expand_composites=False)
         devices = placement.calling_replica_devices(flat, self, replica_id)
         options, name = self._options(options, devices)
@@ -173,21 +137,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         (reduced,), _ = combine_replicas(transport, AggregationMethod.parse(reduce_op), [flat])
         return tf.nest.pack_sequence_as(value, reduced)
 
-    # What `tf_agn.aggregate` and the hooks above share.
-
     def transport_for(self, value, destinations=None, options=None):
-        """The transport that combines `value`'s local replicas.
-
-        Args:
-            value: a distributed value (or a tensor, for one replica).
-            destinations: where TensorFlow's caller wants the results, if
-                anywhere; it names the devices of values that have none.
-            options: `CommunicationOptions`, merged over the constructor's.
-
-        Returns:
-            A `tf_agn.transports.LocalTransport` or `CollectiveTransport`
-            over the devices of `value`'s replicas.
-        """
+        """The transport over the devices of `value`'s local replicas."""
         devices = placement.replica_devices(value, self, destinations)
         options, name = self._options(options, devices)
         if name == "collective":
@@ -198,9 +149,8 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         )
 
     def combine_function(self, transport, method, value_scale=1, compressor=None):
-        """`tf_agn.combining.combine_replicas` on `transport` with these
-        settings, as a function of `(values, states=None, step=None)`
-        (pass the last two by keyword), as `transport.eager` can run it."""
+        """`combine_replicas` on `transport` as a function of
+        `(values, states=None, step=None)`."""
         combine = functools.partial(
             combine_replicas, transport, method, value_scale=value_scale, compressor=compressor
         )
@@ -218,7 +168,6 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         ]
 
     def _place(self, replicas, sources, devices):
-        """One value's per-replica results, on `devices`."""
         if tuple(devices) == tuple(sources):
             return _compat.regroup(tuple(replicas), wrap_class=_compat.Mirrored)
         return placement.mirror(replicas[0], devices)
@@ -231,12 +180,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         )
 
     def _options(self, options, devices):
-        """The constructor's options overridden by the caller's, with AUTO
-        resolved for these devices, and the transport they call for.
-
-        Returns:
-            `(options, transport name)`.
-        """
+        """`(merged options, transport name)` for `devices`."""
         merged = self.options.merge(options)
         if merged.implementation == CommunicationImplementation.AUTO:
             merged.implementation = transports.default_implementation(devices)
@@ -250,15 +194,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                     f"values belongs to (they are on {sorted(set(devices))}): "
                     "make them inside the strategy's scope or strategy.run."
                 )
-            # One process: the local transport gives the same numbers
-            # without needing each replica's device.
+            # One process: "local" needs no per-replica device.
             transport = "local"
         return merged, transport
 
 
 def _gather_along(transport, axis, per_replica):
-    """Every replica's tensor of `per_replica`, all-gathered along `axis`,
-    for each local replica; replicas may differ in length along `axis`."""
+    """`per_replica` all-gathered along `axis` (lengths may differ)."""
     rank = per_replica[0].shape.rank
     axis %= rank
     perm = [axis] + [d for d in range(rank) if d != axis]
@@ -276,7 +218,6 @@ def _gather_along(transport, axis, per_replica):
 def _check_arguments(
     bytes_per_pack, flatten_packs, transport, timeout_seconds, num_workers, worker_index
 ):
-    """Raises `ValueError` for a bad constructor argument, naming it."""
     if not _is_positive_int(bytes_per_pack):
         raise ValueError(f"bytes_per_pack must be a positive int; received {bytes_per_pack!r}.")
     if flatten_packs not in ("auto", True, False):
