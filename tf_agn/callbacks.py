@@ -7,7 +7,7 @@ from tf_agn.optimizers.windowed import WindowedOptimizer
 
 
 def _unwrap(optimizer, cls):
-    """Finds the `cls` optimizer inside wrappers such as LossScaleOptimizer."""
+    """The `cls` optimizer inside wrappers such as LossScaleOptimizer."""
     while optimizer is not None and not isinstance(optimizer, cls):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return optimizer
@@ -16,11 +16,9 @@ def _unwrap(optimizer, cls):
 class EvaluateAtCenter(keras.callbacks.Callback):
     """Evaluates and predicts with the center weights, not replica copies.
 
-    For any `tf_agn.optimizers.WindowedOptimizer` (`AGN`, `DOWNPOUR`, ...),
-    whose replicas explore on their own mid-window: the center θ_c is
-    swapped into the model for evaluation (also `fit`'s validation) and
-    prediction, and the replicas' copies are swapped back exactly after, as
-    Keras' `SwapEMAWeights` does for EMA weights.
+    For a `tf_agn.optimizers.WindowedOptimizer`: its center is swapped in
+    for evaluation and prediction and swapped back exactly after, as Keras's
+    `SwapEMAWeights` does.
 
     Example:
 
@@ -32,7 +30,7 @@ class EvaluateAtCenter(keras.callbacks.Callback):
 
     Raises:
         ValueError: when the model's optimizer is not (and does not wrap)
-            a `tf_agn.optimizers.WindowedOptimizer`.
+            a `WindowedOptimizer`.
     """
 
     def _windowed(self):
@@ -54,11 +52,9 @@ class EvaluateAtCenter(keras.callbacks.Callback):
 
 
 class CommunicationLogger(keras.callbacks.Callback):
-    """Adds the optimizer's `communication_stats()` (its collectives per
-    pattern, `bytes_sent` and `bytes_received`) to the epoch logs.
+    """Adds the optimizer's `communication_stats()` to the epoch logs.
 
-    Put it before `TensorBoard`, `CSVLogger` or `History` readers in the
-    callback list, so that they see the numbers.
+    Put it before `TensorBoard` or `CSVLogger` so that they see them.
 
     Example:
 
@@ -67,8 +63,8 @@ class CommunicationLogger(keras.callbacks.Callback):
     ```
 
     Raises:
-        ValueError: at an epoch's end, if the model's optimizer is not (and
-            does not wrap) a tf_agn optimizer.
+        ValueError: if the model's optimizer is not (and does not wrap) a
+            tf_agn optimizer.
     """
 
     def on_epoch_end(self, epoch, logs=None):

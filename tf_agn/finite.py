@@ -1,25 +1,11 @@
-"""`all_finite`: whether a step's values hold no inf or NaN, the one test
-of loss scaling, gradient accumulation, error feedback and a parameter
-server's commits."""
+"""`all_finite`: the one inf/NaN test of every tf_agn path."""
 
 import tensorflow as tf
 
 
 def all_finite(values):
-    """Whether every element of `values` is finite.
-
-    Args:
-        values: tensors, `tf.IndexedSlices` (their values are tested) or
-            None (skipped).
-
-    Returns:
-        A scalar boolean tensor; True when there is nothing to test.
-
-    Example:
-
-    >>> bool(all_finite([tf.ones(2), None, tf.constant([1.0, float("inf")])]))
-    False
-    """
+    """A boolean scalar: every element of `values` (tensors,
+    `tf.IndexedSlices`, None skipped) is finite."""
     tensors = [v.values if isinstance(v, tf.IndexedSlices) else v for v in values if v is not None]
     if not tensors:
         return tf.constant(True)

@@ -5,25 +5,11 @@ import tensorflow as tf
 
 
 def memory_stats(weights, state, accumulators=(), compressor_state=()):
-    """The bytes one replica holds, by kind.
+    """The bytes one replica holds: `{"weights", "gradients",
+    "accumulators", "optimizer_state", "compressor_state"}`.
 
-    Args:
-        weights: the trainable variables (every replica holds them whole,
-            and their gradients while a step runs).
-        state: the optimizer's other variables: its update rule's state
-            (one replica's part where it is sharded) and its counters.
-        accumulators: the gradient accumulators, among `state` or not.
-        compressor_state: the compressor's per-replica state, among
-            `state` or not.
-
-    Returns:
-        `{"weights", "gradients", "accumulators", "optimizer_state",
-        "compressor_state"}`, each a number of bytes.
-
-    Example:
-
-    >>> memory_stats([tf.Variable(tf.zeros([4]))], [tf.Variable(tf.zeros([2]))])["optimizer_state"]
-    8
+    `accumulators` and `compressor_state` may be among `state`; they are
+    counted apart from it.
     """
     apart = {id(v) for v in (*accumulators, *compressor_state)}
     return {

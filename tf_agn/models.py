@@ -4,7 +4,7 @@ import keras
 
 
 def mlp(input_shape, num_classes, hidden_units=(256, 128)):
-    """A ReLU multilayer perceptron with a softmax over `num_classes`.
+    """A `keras.Sequential` ReLU MLP with a softmax over `num_classes`.
 
     The AGN paper's MNIST model is `mlp((784,), 10, (1000, 2000, 1000))`.
 
@@ -12,9 +12,6 @@ def mlp(input_shape, num_classes, hidden_units=(256, 128)):
         input_shape: the shape of one example, e.g. `(784,)`.
         num_classes: the number of output classes.
         hidden_units: the width of each hidden layer, in order.
-
-    Returns:
-        A `keras.Sequential` model.
     """
     return keras.Sequential(
         [keras.Input(shape=input_shape)]
@@ -24,21 +21,15 @@ def mlp(input_shape, num_classes, hidden_units=(256, 128)):
 
 
 def cnn(input_shape, num_classes, filters=(16, 32), dense_units=128):
-    """A small convolutional network with a softmax over `num_classes`.
-
-    Each entry of `filters` adds a 3x3 ReLU convolution and a 2x2 max
-    pooling; a ReLU dense layer and the softmax follow. Every layer's
-    output is the only tensor the next one reads, so `tf_agn.decoupled.
-    split_model` can cut after any layer.
+    """A small `keras.Sequential` CNN with a softmax over `num_classes`,
+    which `tf_agn.decoupled.split_model` can cut after any layer.
 
     Args:
         input_shape: the shape of one image, e.g. `(28, 28, 1)`.
         num_classes: the number of output classes.
-        filters: the channels of each convolution, in order.
+        filters: the channels of each 3x3 convolution (each followed by a
+            2x2 max pooling), in order.
         dense_units: the width of the hidden dense layer.
-
-    Returns:
-        A `keras.Sequential` model.
     """
     layers = [keras.Input(shape=input_shape)]
     for channels in filters:

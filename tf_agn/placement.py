@@ -12,11 +12,8 @@ def on(device, value):
 
 
 def mirror(value, devices):
-    """Places a copy of `value` on every device, as a `Mirrored` value.
-
-    Between devices in host memory (logical CPUs) the identity shares the
-    buffer, so nothing is copied; between GPUs it is the transfer.
-    """
+    """A `Mirrored` copy of `value` on every device (on logical CPUs the
+    identity shares the buffer)."""
     copies = tuple(on(device, value) for device in devices)
     return _compat.regroup(copies, wrap_class=_compat.Mirrored)
 
@@ -24,28 +21,11 @@ def mirror(value, devices):
 def replica_devices(value, ops, destinations=None):
     """The devices of a distributed `value`'s replicas.
 
-    A value made outside the replicas' device scopes (a function input, an
-    eager dataset element) has no device: it stands for its replica, on
-    the device of the same index among the `destinations`, or else among
-    the devices of the strategy in scope.
-
-    Args:
-        value: a distributed value, or a tensor for one replica.
-        ops: the `tf.distribute.CrossDeviceOps` that reduce it, whose
-            device canonicalization applies.
-        destinations: where a `CrossDeviceOps` caller wants results, or
-            None.
-
-    Returns:
-        A tuple of device names, one per replica.
-
-    Raises:
-        ValueError: if values without a device stand for replicas that
-            neither the destinations nor a strategy name.
+    Values without a device of their own (made outside the replicas'
+    scopes) take those of `destinations`, or else of the strategy in scope;
+    raises ValueError where neither names as many.
     """
     devices = _compat.devices_of(value, ops)
-    # Replicas on one device (values made eagerly outside the replicas'
-    # scopes, all on the default device) do not say where they belong.
     if all(devices) and len(set(devices)) == len(devices):
         return devices
     candidates = []
@@ -76,19 +56,10 @@ def destination_devices(destinations, ops, value=None):
 
 
 def calling_replica_devices(tensors, ops, replica_id):
-    """This process's replica devices, for a replica-context all-reduce of
-    replica `replica_id`'s `tensors`: the strategy's in scope; outside any
-    strategy, the one device of `tensors` (TensorFlow's default replica
-    context has one replica).
-
-    Raises:
-        ValueError: outside a strategy, for a `replica_id` other than 0
-            or tensors on several devices.
-    """
+    """The replica devices of a replica-context all-reduce: the strategy's,
+    or outside one, the single device of `tensors` (replica 0 only)."""
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy().extended.worker_devices
-    # A tensor without a device resolves to the device scope it is reduced
-    # in, as TensorFlow's own ops read destinations.
     devices = {device for t in tensors for device in _compat.devices_of(t, ops)}
     if replica_id != 0 or len(devices) != 1:
         raise ValueError(

@@ -1,28 +1,16 @@
-"""This process's replicas' own copies of variables, as named numpy arrays,
-and back: what a `tf_agn.callbacks.BackupAndRestore` backup holds."""
+"""Replicas' own copies of variables as named numpy arrays, and back."""
 
 import keras
 import numpy as np
 
 
 def local_copies(strategy, variables, prefix):
-    """This process's replicas' copies of `variables`, as numpy arrays.
-
-    Args:
-        strategy: the strategy the variables were created under.
-        variables: Keras or TensorFlow variables, in a fixed order.
-        prefix: the first part of the arrays' names.
-
-    Returns:
-        A dict of arrays named "<prefix>/<variable index>/<local replica>".
-        A replica's copy is left out where it equals local replica 0's.
-    """
+    """This process's replicas' copies of `variables`, named
+    "<prefix>/<variable index>/<local replica>"; a copy equal to replica
+    0's is left out."""
     arrays = {}
     for index, variable in enumerate(variables):
-        # Every copy, not only replica 0's, which is all that Keras saves of a
-        # `MirroredVariable`: with tf_agn's local steps (AGN and the other
-        # windowed optimizers mid-window, aggregation NONE) the replicas'
-        # weights and inner optimizer state (AGN's inner Adam moments) differ.
+        # Keras saves only replica 0's copy; local steps make copies differ.
         copies = strategy.experimental_local_results(_tf_variable(variable))
         first = copies[0].numpy()
         arrays[f"{prefix}/{index}/0"] = first
@@ -34,19 +22,8 @@ def local_copies(strategy, variables, prefix):
 
 
 def assign_local_copies(strategy, variables, arrays, prefix):
-    """Puts `local_copies`'s arrays back on each replica's copy of each
-    variable (replica 0's where the replica's own was left out).
-
-    Args:
-        strategy: the strategy the variables were created under.
-        variables: the variables, in the order they were saved in.
-        arrays: what `local_copies` returned, among other arrays.
-        prefix: the prefix `local_copies` was given.
-
-    Raises:
-        ValueError: if `arrays` hold another number of variables, or one of
-            another shape.
-    """
+    """Puts `local_copies`'s `arrays` back on every replica's copy; raises
+    ValueError where their number or shapes differ from `variables`'."""
     saved = sum(1 for key in arrays if key.startswith(prefix + "/") and key.endswith("/0"))
     if saved != len(variables):
         raise ValueError(
@@ -67,14 +44,11 @@ def assign_local_copies(strategy, variables, arrays, prefix):
 
 
 def assign_every_copy(strategy, variables, values):
-    """Puts `values[i]` on each of this process's replicas' copies of
-    `variables[i]`."""
+    """Puts `values[i]` on every local copy of `variables[i]`."""
     for variable, value in zip(variables, values, strict=True):
         for copy in strategy.experimental_local_results(_tf_variable(variable)):
             copy.assign(value)
 
 
 def _tf_variable(variable):
-    """The TensorFlow variable behind a Keras one (a distributed variable
-    under a strategy)."""
     return variable.value if isinstance(variable, keras.Variable) else variable

@@ -6,17 +6,13 @@ import keras
 def replica_weights(model_or_variables):
     """Returns every replica's copy of the weights, as numpy arrays.
 
-    Under MirroredStrategy each weight has one copy per device, equal
-    unless local steps (aggregation NONE, a windowed optimizer mid-window)
-    let them drift apart.
+    The copies differ only after local steps (NONE, a windowed optimizer).
 
     Args:
-        model_or_variables: a Keras model (its `weights` are read) or a list
-            of Keras or TF variables.
+        model_or_variables: a Keras model or a list of Keras or TF variables.
 
     Returns:
-        A list with one entry per replica, each a list of numpy arrays in
-        the order of the variables.
+        One list of numpy arrays per replica, in the variables' order.
 
     Example:
 
