@@ -1,10 +1,7 @@
 """Makes `tf_agn.strategies` importable from a source checkout.
 
-The distribution side lives in the repository's top-level `strategies/`
-folder, and `setup.py` installs it as `tf_agn/strategies`. Run from the
-checkout itself (`python -m pytest`, `pip install -e .` with a pip that
-falls back to `setup.py develop`), `tf_agn/strategies` does not exist, so
-this registers the top-level folder under that name instead.
+`setup.py` installs the top-level `strategies/` as `tf_agn/strategies`; in
+a checkout this registers the top-level folder under that name.
 """
 
 import importlib.util

@@ -21,27 +21,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the whole training state and resumes `fit` from it, exactly.
 
     A drop-in for `keras.callbacks.BackupAndRestore` that also works when
-    several workers (`tf_agn.strategies.multi_worker_mirrored`) share one
-    backup directory, and that also restores:
-
-    - every replica's own copy of the model's, optimizer's and metrics'
-      variables, which differ between replicas with windowed optimizers
-      mid-window or aggregation NONE;
-    - the step within the epoch, with an int `save_freq`: `fit` resumes at
-      the saved epoch and skips, without training, the batches already
-      trained (other callbacks' `on_train_batch_*` hooks still see them,
-      with empty logs), so at most `save_freq` steps are redone.
+    several workers share one backup directory, restores every replica's
+    own copy of the variables, and, with an int `save_freq`, the step
+    within the epoch (the batches already trained are skipped; other
+    callbacks still see them, with empty logs).
 
     The latest backup is whole whenever a process dies. A resumed run
     equals an uninterrupted one when every epoch feeds the same batches in
-    the same order (`shuffle=False`, or a dataset with a fixed seed that
-    does not reshuffle per epoch) and the model, optimizer and `fit`
-    arguments are the same; `communication_stats` restart from zero.
-    Restarting is a supervisor's job: `python -m tf_agn.strategies.launch
-    --multi_worker N --max_restarts K` on one machine, systemd or
-    Kubernetes on several (the directory on a shared filesystem). A backup
-    also resumes on another number of workers or replicas (see
-    `tf_agn.resizing`; a windowed optimizer from its last commit).
+    the same order; `communication_stats` restart from zero. Restarting is
+    a supervisor's job (`python -m tf_agn.strategies.launch --max_restarts
+    K`, systemd, Kubernetes). A backup also resumes on another number of
+    workers or replicas (`tf_agn.resizing`).
 
     Example:
 
@@ -61,17 +51,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: "epoch" to back up at the end of every epoch, or an int
             n >= 1 to back up every n batches.
         delete_checkpoint: whether the chief deletes the backup when `fit`
-            ends normally; False keeps it (a later `fit` then resumes from
-            it, as with Keras's callback).
+            ends normally.
 
     Raises:
-        ValueError: for an empty `backup_dir` or a `save_freq` that is
-            neither "epoch" nor an int >= 1; from `fit`, for a backup taken
-            from another model or optimizer, or, on another cluster shape,
-            state that cannot be shared out anew (named).
-        OSError: if `backup_dir` cannot be created or written to (e.g.
-            `NotADirectoryError`, `PermissionError`); from `fit`, if a
-            backup cannot be written or the pointer names a missing file.
+        ValueError: for a bad `backup_dir` or `save_freq`; from `fit`, for
+            a backup of another model or optimizer, or state that cannot be
+            shared out on another cluster shape.
+        OSError: if `backup_dir` or a backup cannot be written, or the
+            pointer names a missing file.
     """
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
@@ -187,15 +174,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         arrays = local_copies(strategy, self._state_variables(), "state")
         arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
         failure = None
-        # Each task writes only its own file; the chief publishes the backup
-        # once every task's file is complete.
         try:
             self._files.write_state(checkpoint, arrays)
         except OSError as error:  # still join the barrier, or peers hang
             failure = error
-        # A collective among all replicas: once it returns, every task has
-        # finished writing, so the pointer the chief then writes never names
-        # an incomplete backup, whenever a process dies.
+        # Once this collective returns every task has written its file, so
+        # the chief's pointer never names an incomplete backup.
         written = _sum_over_replicas(strategy, 0.0 if failure else 1.0)
         if failure is not None:
             raise failure
@@ -241,10 +225,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 
 def _resumed_step(pointer, steps_per_epoch):
-    """The step of the interrupted epoch that `fit`, now taking
-    `steps_per_epoch` steps an epoch, resumes at: where as much of the
-    epoch's data has passed as when `pointer`'s backup was taken (rounded
-    down). Warns when the steps per epoch, so the global batch, changed."""
+    """The step at which as much of the epoch's data has passed as at the
+    backup; warns where the global batch changed."""
     saved = pointer.get("steps_per_epoch")
     if not saved or not steps_per_epoch or saved == steps_per_epoch:
         return pointer["step"]
@@ -262,16 +244,8 @@ def _resumed_step(pointer, steps_per_epoch):
 
 
 class _BatchSkipper:
-    """Makes `fit`'s next `steps` batches pass without training.
-
-    Until they have passed, `model.train_function` draws them from the
-    iterator and returns no logs; then the model's own function is back in
-    place.
-
-    Args:
-        model: the model whose `fit` is beginning.
-        steps: how many batches to skip.
-    """
+    """Makes `fit`'s next `steps` batches of `model` pass without training
+    (drawn from the iterator, no logs)."""
 
     def __init__(self, model, steps):
         self._model = model

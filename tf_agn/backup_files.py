@@ -1,5 +1,4 @@
-"""The files of a `tf_agn.callbacks.BackupAndRestore` backup directory:
-which task writes each, and how each is written atomically."""
+"""The files of a `BackupAndRestore` directory, each task's written atomically."""
 
 import json
 import os
@@ -11,23 +10,15 @@ import numpy as np
 POINTER = "latest.json"
 # 2: the pointer names the sharded state variables ("sharded_state").
 _FORMAT = 2
-# Keras's own callback has every worker write the same `latest.weights.h5`:
-# two workers on one filesystem clash (`BlockingIOError: unable to lock
-# file`) or overwrite each other. Here each task writes files of its own.
+# Each task writes its own files: Keras's workers all write one
+# `latest.weights.h5` and clash on a shared filesystem.
 _STATE_FILE = re.compile(r"^ckpt-(\d+)\.(.+)\.npz(\.tmp)?$")
 
 
 class Task:
-    """Which task of the cluster this process is, and whether it publishes
-    backups.
-
-    Attributes:
-        name: this task's name in file names, e.g. "worker-1".
-        is_chief: whether it writes the pointer: the "chief" task, else
-            worker 0; a process outside a cluster is its own chief.
-        all_names: every task's name, chief first, as
-            `MultiWorkerMirroredStrategy` numbers them.
-    """
+    """This process's task: its `name` ("worker-1"), whether it `is_chief`
+    (writes the pointer: the chief task, else worker 0), and `all_names`,
+    chief first."""
 
     def __init__(self, name, is_chief, all_names):
         self.name, self.is_chief, self.all_names = name, is_chief, all_names
@@ -46,17 +37,9 @@ class Task:
 
 
 class BackupFiles:
-    """The files one task reads and writes in a backup directory.
-
-    Each task writes only its own state files, `ckpt-<n>.<task>.npz`; the
-    chief alone writes the pointer, `latest.json`, which names the latest
-    complete backup. A reader sees each file's old content or all of the
-    new, whenever the writing process dies.
-
-    Args:
-        backup_dir: the backup directory, which exists.
-        task: this process's `Task`.
-    """
+    """The files `task` reads and writes in `backup_dir`: its own
+    `ckpt-<n>.<task>.npz`, and for the chief the pointer naming the latest
+    complete backup."""
 
     def __init__(self, backup_dir, task):
         self._backup_dir = backup_dir
@@ -64,18 +47,8 @@ class BackupFiles:
         self._pointer = os.path.join(backup_dir, POINTER)
 
     def read_pointer(self):
-        """The latest complete backup's description, or None if there is none.
-
-        Returns:
-            A dict with the backup's "checkpoint" number, the "epoch" and
-            "step" within it that `fit` resumes from, the "tasks",
-            "num_replicas_in_sync" and "steps_per_epoch" (None where `fit`
-            did not know it) it was taken with, and "sharded_state": the
-            positions of the state variables each replica held a part of.
-
-        Raises:
-            ValueError: if the backup is of another format.
-        """
+        """The dict `write_pointer` wrote, or None; raises ValueError for
+        another format."""
         try:
             with open(self._pointer) as f:
                 pointer = json.load(f)
@@ -93,8 +66,7 @@ class BackupFiles:
         sharded_state=(),
     ):
         """Publishes backup `checkpoint`, which resumes at `step` of `epoch`;
-        `sharded_state` lists the positions of the state variables that
-        each replica holds a part of."""
+        `sharded_state` lists the positions of sharded state variables."""
         pointer = {
             "format": _FORMAT,
             "checkpoint": checkpoint,
@@ -112,12 +84,8 @@ class BackupFiles:
         _write_atomically(self._state_path(checkpoint), lambda f: np.savez(f, **arrays))
 
     def read_state(self, checkpoint, task_name=None):
-        """The named numpy arrays of a task's file of backup `checkpoint`:
-        this task's, or that of the task named `task_name`.
-
-        Raises:
-            FileNotFoundError: if the file is missing.
-        """
+        """The named arrays of this task's (or `task_name`'s) file of backup
+        `checkpoint`."""
         path = self._state_path(checkpoint, task_name)
         try:
             with np.load(path) as npz:
@@ -141,8 +109,7 @@ class BackupFiles:
                 os.remove(path)
 
     def delete_backup(self):
-        """Removes every task's files and the pointer, and the directory if
-        nothing else is left in it."""
+        """Removes every task's files, the pointer, and the directory if empty."""
         # The pointer first: a crash midway leaves no pointer to missing files.
         if os.path.exists(self._pointer):
             os.remove(self._pointer)
@@ -157,7 +124,6 @@ class BackupFiles:
         return os.path.join(self._backup_dir, f"ckpt-{checkpoint}.{name}.npz")
 
     def _own_files(self):
-        """This task's state files, temporary ones included."""
         return [
             os.path.join(self._backup_dir, name)
             for name in os.listdir(self._backup_dir)
@@ -166,9 +132,7 @@ class BackupFiles:
 
 
 def _write_atomically(path, write):
-    """Writes `path` with `write(file)` so that it holds either its old
-    content or all of the new, whenever the process dies."""
-    # Filled as `path + ".tmp"`, flushed to disk, then renamed over `path`.
+    """Writes `path` with `write(file)`: old content or all of the new."""
     temporary = path + ".tmp"
     with open(temporary, "wb") as f:
         write(f)
@@ -184,11 +148,9 @@ def _write_atomically(path, write):
 
 
 def _checkpoint_of(path):
-    """The number of the backup a state file belongs to."""
     return int(_STATE_FILE.match(os.path.basename(path)).group(1))
 
 
 def _task_of(name):
-    """The task that writes the file `name`; None for other files."""
     match = _STATE_FILE.match(name)
     return match.group(2) if match else None

@@ -6,10 +6,9 @@ import numpy as np
 def temporal_efficiency(history_a, history_b, metric="accuracy"):
     """E(a, b) = ∫₀^m f_a(t) dt / ∫₀^m f_b(t) dt (Hermans et al., 2017).
 
-    f is a run's metric (training accuracy in the AGN paper) over
-    wall-clock time, linear between samples and held at its first sample
-    before it, and m is the shorter run's duration. E > 1 favours run a: it
-    was better on average over that time, not just at its end.
+    f is a run's metric over wall-clock time, linear between samples and
+    held before the first, and m the shorter run's duration. E > 1 favours
+    run a on average over that time.
 
     Example:
 
@@ -17,10 +16,9 @@ def temporal_efficiency(history_a, history_b, metric="accuracy"):
     2.0
 
     Args:
-        history_a: run a: a `(times, values)` pair of sequences, or a
-            mapping with a "time" entry and a `metric` entry, such as the
-            `history` dict of a Keras `History` with a time log. Times are
-            seconds from the run's start, increasing.
+        history_a: run a: a `(times, values)` pair, or a mapping (a Keras
+            `History`'s) with "time" (seconds from the start, increasing)
+            and `metric` entries.
         history_b: run b, the same way.
         metric: the mapping key of the values.
 
@@ -28,8 +26,8 @@ def temporal_efficiency(history_a, history_b, metric="accuracy"):
         E(a, b), a float.
 
     Raises:
-        ValueError: if a run has no samples, times that are negative or not
-            increasing, lengths that differ, or run b's integral is 0.
+        ValueError: for a run without samples, with bad times or lengths,
+            or where run b's integral is 0.
     """
     times_a, values_a = _curve(history_a, metric, "a")
     times_b, values_b = _curve(history_b, metric, "b")
@@ -74,8 +72,7 @@ def _curve(history, metric, name):
 
 def _integral(times, values, end):
     """∫₀^end of the curve through (times, values), held before times[0]."""
-    # Held before the first sample, since runs are sampled after their first
-    # update; integrated exactly, by trapezoids between samples.
+    # Runs are sampled after their first update; trapezoids are exact here.
     inside = times < end
     grid = np.concatenate([[0.0], times[inside], [end]])
     curve = np.interp(grid, times, values)  # np.interp holds the ends
