@@ -67,8 +67,8 @@ class AggregationMethod(enum.Enum):
 
 def method_scale(method, dtype, num_replicas, value_scale):
     """The Python factor `method` applies to the sum of `num_replicas`
-    values, each scaled by `value_scale`; raises ValueError for a MEAN or a
-    scale of integers."""
+    values (or replica 0's), each scaled by `value_scale`; raises ValueError
+    for a MEAN or a scale of integers."""
     if dtype.is_integer:
         if method is AggregationMethod.MEAN or value_scale != 1:
             raise ValueError(

@@ -195,8 +195,8 @@ def check_agreement(ops, devices, timeout_seconds):
 
 
 def check_optimizer_agreement(optimizer, method, compressor, window, variables, sparse=None):
-    """`check_agreement` for `optimizer_settings`, under tf_agn's ops on
-    several workers; call it in `build` before creating any variable."""
+    """`check_agreement` for `optimizer_settings`; does nothing without
+    tf_agn's ops or on one worker. Call it in `build` before any variable."""
     # Each new variable is broadcast from the chief: differing variables
     # would hang or fail ("tasks are unhealthy").
     strategy = _compat.creation_strategy(optimizer)

@@ -161,10 +161,10 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
 
 
 def reduce_scatter(tensors, method, value_scale=1, when=None):
-    """Row r of the SUM or MEAN of `tensors` (first dimension n) for
-    replica r, in replica context under `AggregatingAllReduce`; raises
-    ValueError otherwise. Where `when` is false, nothing travels and the
-    results are placeholders."""
+    """This replica's row of the SUM or MEAN of every replica's `tensors`
+    (row r of the first dimension is for replica r), in replica context
+    under `AggregatingAllReduce`; raises ValueError otherwise. Where `when`
+    is false nothing travels and the results are placeholders."""
     method = AggregationMethod.parse(method)
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         raise ValueError(f"reduce_scatter combines by SUM or MEAN; received {method.name}.")
