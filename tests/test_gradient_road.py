@@ -1,16 +1,20 @@
-"""A gradient's road, from a tf_agn optimizer to the op that carries it
-between replicas, passes through at most `MAX_FRAMES` of tf_agn's frames,
-on every transport, with every compressor, with accumulation, with sharded
-state and in a windowed optimizer's commit.
+"""A gradient's road, from a tf_agn optimizer's `apply` to the op that
+carries it between replicas, crosses at most `MAX_MODULES` tf_agn modules
+and enters none twice, on every transport, with every compressor, with
+accumulation, with sharded state and in a windowed optimizer's commit.
 
 The stack is captured where the op is created: a collective op of the
 collective transport, or the compiled sum, stack or concatenation that
 moves a pack on the local transport. `MirroredStrategy` creates it on
 the main thread, inside a `merge_call`, so the stacks of the replica
 threads waiting in a `merge_call` (one per nesting: a windowed
-optimizer's commit nests one in another) are joined to it.
+optimizer's commit nests one in another) are joined to it. The road
+starts at the outermost optimizer's `apply` on the joined stack, Keras's
+or tf_agn's.
 """
 
+import inspect
+import itertools
 import os
 import threading
 import traceback
@@ -25,18 +29,42 @@ from conftest import DEVICES
 from tf_agn import packing
 from tf_agn.transports import local
 
-MAX_FRAMES = 10
-OURS = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(module.__file__)), "")
-    for module in (tf_agn, tf_agn.strategies)
+# Issue 39 asks 6. Today's widest roads cross 8: int8 through
+# DistributedOptimizer or with accumulation, on the collective transport.
+MAX_MODULES = 8
+# (configuration, transport, module) for each module a road enters twice
+# today; issue 39 asks for none. A new re-entry fails, and so does one fixed
+# and still listed.
+KNOWN_REENTRIES = set()
+PACKAGES = {
+    os.path.join(os.path.dirname(os.path.abspath(package.__file__)), ""): package.__name__
+    for package in (tf_agn, tf_agn.strategies)
+}
+OPTIMIZERS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(package.__file__)), "")
+    for package in (tf_agn.optimizers, inspect.getmodule(keras.optimizers.SGD))
 )
-OPTIMIZERS = os.path.join(os.path.dirname(os.path.abspath(tf_agn.optimizers.__file__)), "")
 COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2")
 
 
+def module_of(filename):
+    """The dotted name of the tf_agn module `filename` holds, or None."""
+    prefixes = [prefix for prefix in PACKAGES if filename.startswith(prefix)]
+    if not prefixes:
+        return None
+    prefix = max(prefixes, key=len)
+    path = os.path.splitext(filename[len(prefix):])[0]
+    return ".".join([PACKAGES[prefix], *path.split(os.sep)])
+
+
 class Road:
-    """Records, for each op that carries values between replicas, the
-    tf_agn frames on its joined stack."""
+    """Records, for each op that carries values between replicas from an
+    optimizer's `apply`, the tf_agn modules its stack enters, in order.
+
+    Frames of other packages are left out, then consecutive frames of one
+    module are one entry: a call back through Keras (`super()`) or across a
+    `merge_call` stays in its module.
+    """
 
     def __init__(self):
         self.waiting = {}  # {thread id: its stack in `merge_call`}
@@ -70,9 +98,15 @@ class Road:
         }
         here = tuple((f.filename, f.lineno, f.name) for f in traceback.extract_stack())
         stacks = sorted(waiting, key=len) + [here]
-        frames = [frame for stack in stacks for frame in stack if frame[0].startswith(OURS)]
-        if any(filename.startswith(OPTIMIZERS) for filename, _, _ in frames):
-            self.roads.append(frames)
+        frames = [frame for stack in stacks for frame in stack]
+        starts = [
+            i for i, (filename, _, function) in enumerate(frames)
+            if function == "apply" and filename.startswith(OPTIMIZERS)
+        ]
+        if starts:
+            modules = [module_of(filename) for filename, _, _ in frames[starts[0]:]]
+            ours = [module for module in modules if module is not None]
+            self.roads.append([module for module, _ in itertools.groupby(ours)])
 
 
 class RecordingTF:
@@ -145,7 +179,12 @@ def test_a_gradients_road_is_short(road, name, transport):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 32)).astype("float32")
     model.fit(x, x[:, :4], batch_size=16, epochs=1, verbose=0)
-    assert road.roads, "no op carried a gradient from the optimizer"
-    longest = max(road.roads, key=len)
-    described = " -> ".join(f"{os.path.basename(f)}:{function}" for f, _, function in longest)
-    assert len(longest) <= MAX_FRAMES, f"{len(longest)} frames: {described}"
+    assert road.roads, "no op carried a gradient from an optimizer's apply"
+    widest = max(road.roads, key=lambda entries: len(set(entries)))
+    assert len(set(widest)) <= MAX_MODULES, " -> ".join(widest)
+    reentered = {
+        (name, transport, module)
+        for entries in road.roads for module in entries if entries.count(module) > 1
+    }
+    known = {reentry for reentry in KNOWN_REENTRIES if reentry[:2] == (name, transport)}
+    assert reentered == known, [" -> ".join(entries) for entries in road.roads]
