@@ -105,39 +105,34 @@ class CollectiveTransport:
         native = sum_parts is None and self._has_native_reduce_scatter()
         op = tf.raw_ops.CollectiveReduceScatterV2 if native else tf.raw_ops.CollectiveAllToAllV2
         attributes = {"merge_op": "Add", "final_op": "Id"} if native else {}
+        received = [
+            self.group.launch(op, self.replicas[r], tensor, self.options, **attributes)
+            for r, tensor in enumerate(tensors)
+        ]
         reduced = []
-        # Loops, not comprehensions, where collectives launch: a comprehension
-        # is a frame of its own on the gradient's road.
-        for r, (device, tensor) in enumerate(zip(self.devices, tensors)):
-            received = self.group.launch(op, self.replicas[r], tensor, self.options, **attributes)
+        for device, rows in zip(self.devices, received):
             with tf.device(device):
                 if native:
-                    reduced.append(tf.squeeze(received, 0))
+                    reduced.append(tf.squeeze(rows, 0))
                 else:
                     # TensorFlow's CPU collectives have no reduce-scatter.
-                    reduced.append(
-                        tf.reduce_sum(received, 0) if sum_parts is None else sum_parts(received)
-                    )
+                    reduced.append(tf.reduce_sum(rows, 0) if sum_parts is None else sum_parts(rows))
         return reduced
 
     def all_gather(self, tensors):
         """Every replica's tensor (all of one shape), concatenated in replica order."""
-        gathered = []
-        for r, tensor in enumerate(tensors):
-            gathered.append(
-                self.group.launch(tf.raw_ops.CollectiveGatherV2, self.replicas[r], tensor, self.options)
-            )
-        return gathered
+        return [
+            self.group.launch(tf.raw_ops.CollectiveGatherV2, self.replicas[r], tensor, self.options)
+            for r, tensor in enumerate(tensors)
+        ]
 
     def all_to_all(self, tensors):
         """Row j of each tensor (first dimension `size`) to replica j, in
         replica order; CPU collectives carry floats and int32/int64."""
-        received = []
-        for r, tensor in enumerate(tensors):
-            received.append(
-                self.group.launch(tf.raw_ops.CollectiveAllToAllV2, self.replicas[r], tensor, self.options)
-            )
-        return received
+        return [
+            self.group.launch(tf.raw_ops.CollectiveAllToAllV2, self.replicas[r], tensor, self.options)
+            for r, tensor in enumerate(tensors)
+        ]
 
     def all_gather_rows(self, tensors):
         """Every replica's rows of each of its tensors (a list per local
@@ -158,9 +153,7 @@ class CollectiveTransport:
                     tf.pad(t, [[0, longest - count[0]]] + [[0, 0]] * (t.shape.rank - 1))
                     for t in replica_tensors
                 ])
-        gathered = []
-        for position in zip(*padded):
-            gathered.append(self.all_gather(list(position)))
+        gathered = [self.all_gather(list(position)) for position in zip(*padded)]
         results = []
         for replica, (device, replica_counts) in enumerate(zip(self.devices, all_counts)):
             with tf.device(device):
@@ -205,5 +198,4 @@ def _options_key(options):
 
 
 def _num_elements(tensors):
-
     return tf.add_n([tf.size(t) for t in tensors])
