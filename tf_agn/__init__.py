@@ -16,6 +16,18 @@ replicas' weights, in `tf_agn/aggregation.py`.
 
 import os as _os
 
+try:
+    import tensorflow as _tensorflow  # noqa: F401
+except ModuleNotFoundError as _error:
+    if _error.name != "tensorflow":
+        raise
+    # setup.py leaves TensorFlow out, so as not to install a second one.
+    raise ImportError(
+        "tf_agn needs TensorFlow 2.20 or newer, which is not installed: "
+        "pip install tensorflow (or tensorflow-cpu, tensorflow[and-cuda], "
+        "tf-nightly), or pip install 'tf_agn[tensorflow]'."
+    ) from _error
+
 from tf_agn import _compat
 from tf_agn import _source_layout
 from tf_agn.aggregation import AggregationMethod

@@ -2,9 +2,11 @@
 versions it is tested with.
 
 Only this module reaches them, so a release that changes one breaks one
-place, and `tests/test_compat.py` checks each name below. Importing tf_agn
-under a TensorFlow or Keras outside `TESTED_VERSIONS` warns once
-(`check_versions`). The private methods tf_agn's classes override are in
+place, and `tests/test_compat.py` checks each name below on every tested
+corner. Importing tf_agn under a TensorFlow or Keras outside the range
+`TESTED_VERSIONS` spans warns once (`check_versions`); a test that skips
+on some release asks this module why (`unreadable_keras_file`). The
+private methods tf_agn's classes override are in
 `OVERRIDDEN_PRIVATE_METHODS`.
 
 From TensorFlow:
@@ -91,7 +93,10 @@ From Keras:
 """
 
 import contextlib
+import json
+import os
 import warnings
+import zipfile
 
 import keras
 from keras.src.losses.losses import LossFunctionWrapper  # noqa: F401
@@ -105,8 +110,14 @@ from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.framework import ops as _tf_framework_ops
 from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
 
-# (TensorFlow, Keras) releases CI runs: `setup.py` declares the same range.
-TESTED_VERSIONS = {"tensorflow": ("2.21", "2.22"), "keras": ("3.15", "3.16")}
+# The corners CI tests, each a constraints file in .ci/constraints/ (the
+# README's environment, TensorFlow 2.21 with Keras 3.15 on Python 3.11, lies
+# between them). `setup.py` requires the oldest; between the oldest and the
+# newest, importing tf_agn is silent.
+TESTED_VERSIONS = {
+    "oldest": {"python": "3.11", "tensorflow": "2.20", "keras": "3.10"},
+    "newest": {"python": "3.12", "tensorflow": "2.21", "keras": "3.15"},
+}
 
 Mirrored = _tf_values.Mirrored
 check_destinations = _tf_cross_device_ops.check_destinations
@@ -482,7 +493,7 @@ def _minor(version):
 
 
 def untested_versions(versions=None):
-    """The installed packages outside `TESTED_VERSIONS`.
+    """The installed packages outside the range `TESTED_VERSIONS` spans.
 
     Args:
         versions: `{"tensorflow": "2.21.0", "keras": "3.15.1"}`; by default
@@ -494,13 +505,14 @@ def untested_versions(versions=None):
     if versions is None:
         versions = {"tensorflow": tf.__version__, "keras": keras.__version__}
     untested = []
-    for name, (low, high) in TESTED_VERSIONS.items():
+    for name, version in versions.items():
         try:
-            minor = _minor(versions[name])
-        except ValueError:
+            minor = _minor(version)
+        except ValueError:  # tf-nightly's "2.22.0-dev20260101"
             minor = None
-        if minor is None or not _minor(low) <= minor < _minor(high):
-            untested.append(f"{name} {versions[name]}")
+        low, high = (_minor(TESTED_VERSIONS[end][name]) for end in ("oldest", "newest"))
+        if minor is None or not low <= minor <= high:
+            untested.append(f"{name} {version}")
     return untested
 
 
@@ -512,9 +524,8 @@ def check_versions(versions=None):
     """
     untested = untested_versions(versions)
     if untested:
-        tested = ", ".join(
-            f"{name} >={low},<{high}" for name, (low, high) in TESTED_VERSIONS.items()
-        )
+        oldest, newest = TESTED_VERSIONS["oldest"], TESTED_VERSIONS["newest"]
+        tested = ", ".join(f"{name} {oldest[name]} to {newest[name]}" for name in ("tensorflow", "keras"))
         warnings.warn(
             f"tf_agn is tested with {tested}; this process has "
             f"{', '.join(untested)}. tf_agn uses private TensorFlow and Keras "
@@ -522,3 +533,34 @@ def check_versions(versions=None):
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def unreadable_keras_file(path):
+    """Why this Keras cannot read the `.keras` file at `path`, or None.
+
+    A Keras reads the files older releases wrote, not always newer ones':
+    a test of a committed file skips with this reason on a Keras too old.
+
+    Args:
+        path: a `.keras` file.
+
+    Returns:
+        None, or a sentence naming the file's Keras, this one, and the error.
+    """
+    with zipfile.ZipFile(path) as archive:
+        written = json.loads(archive.read("metadata.json"))["keras_version"]
+        config = json.loads(archive.read("config.json"))
+    if _minor(keras.__version__) >= _minor(written):
+        return None
+    # Chosen by behaviour: whether this Keras builds the file's model.
+    config.pop("compile_config", None)
+    try:
+        keras.saving.deserialize_keras_object(config)
+    except (TypeError, ValueError) as error:
+        # Keras nests the layer's error under the model's, the config of each.
+        cause = str(error).strip().splitlines()[-1]
+        return (
+            f"{os.path.basename(path)} was written by Keras {written}, which "
+            f"Keras {keras.__version__} cannot read: {cause}"
+        )
+    return None
