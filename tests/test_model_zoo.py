@@ -56,25 +56,22 @@ COMPRESSION_BOUND = {
     # magnitude (and finiteness) is checked.
     "powersgd": 2.0,
 }
-# Lion steps by the sign of its momentum: an element whose compressed
-# gradient rounds to 0, across 0, or is delayed by error feedback steps
-# the other way or not at all, so Lion under any compressor can be off by
-# up to twice the whole change (measured 0.17 with fp16 on MobileNetV3,
-# 0.98 with int8 on EfficientNet): only finiteness and the order of
-# magnitude are checked.
-SIGN_STEP_BOUND = 2.0
-# MobileNetV3 and EfficientNet amplify any perturbation (see
-# BATCH_NORM_OTHER_LAYOUT): a compressor's rounding moves them about twice
-# as far as the small models (measured 0.17 with bf16 on AGN's commits).
-BATCH_NORM_AMPLIFICATION = 2.0
+# Where a compressor's rounding can grow to the size of the change itself,
+# only finiteness and the order of magnitude are checked:
+# - Lion steps by the sign of its momentum: an element whose compressed
+#   gradient rounds to 0, across 0, or is delayed by error feedback steps
+#   the other way or not at all (measured 0.98, int8 on EfficientNet);
+# - MobileNetV3 and EfficientNet at 32×32 amplify any perturbation about
+#   1e4-fold in 4 steps (see BATCH_NORM_OTHER_LAYOUT): bf16's rounding alone
+#   moves plain SGD 0.37 and AdamW 0.33 on MobileNetV3.
+ORDER_OF_MAGNITUDE = 2.0
 
 
 def tolerance(cell):
     compression = COMPRESSION_BOUND[cell["compression"]]
-    if cell["optimizer"] == "lion" and cell["compression"] is not None:
-        compression = SIGN_STEP_BOUND
-    elif cell["model"] in model_zoo.BATCH_NORM_TRAINING:
-        compression *= BATCH_NORM_AMPLIFICATION
+    sensitive = cell["optimizer"] == "lion" or cell["model"] in model_zoo.BATCH_NORM_TRAINING
+    if sensitive and cell["compression"] is not None:
+        compression = max(compression, ORDER_OF_MAGNITUDE)
     if not (cell["agn"] or cell["accumulation"] or cell["aggregation"] not in ("mean", "sum")):
         return SAME_LAYOUT + compression
     one_device_batch = cell["accumulation"] and cell["aggregation"] in ("mean", "sum")
