@@ -30,7 +30,8 @@ SETTINGS = {
 
 def load(name, strategy=None):
     path = saved_optimizers.DIRECTORY / f"{name}.keras"
-    # The files were written by the Keras of their day (tests/saved_optimizers.py).
+    # The files were written by the Keras of their day (tests/saved_optimizers.py):
+    # a Keras older than that (the oldest tested corner) skips, with the reason.
     unreadable = _compat.unreadable_keras_file(path)
     if unreadable:
         pytest.skip(unreadable)
