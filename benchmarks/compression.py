@@ -493,24 +493,10 @@ def codec_fn(name, values, scale):
         every result.
     """
     from tf_agn import packing
-    from tf_agn.compression.error_feedback import combine_kept_finite
     from tf_agn.transports import LocalTransport
 
     compressor = tf_agn.compression.get(COMPRESSIONS[name]())
     device = values[0].device
-    if not tf_agn.compression.is_stateful(compressor):
-        _, packs = packing.split_packs(values, packing.DEFAULT_BYTES_PER_PACK)
-
-        @tf.function
-        def cast():
-            results = []
-            for pack in packs:
-                tensors = [values[i].read_value() for i in pack]
-                flat = packing.flatten(tensors, scale, compressor, jit_compile=True)
-                results += packing.unflatten(flat, tensors, compressor, jit_compile=True)
-            return checksum(results)
-
-        return cast
     states = []
     for value in values:
         state = {}
@@ -521,18 +507,16 @@ def codec_fn(name, values, scale):
     transport = LocalTransport([device], device, False, True, packing.DEFAULT_BYTES_PER_PACK)
 
     @tf.function
-    def stateful():
+    def combine():
         read = [{key: v.read_value() for key, v in state.items()} for state in states]
         current = [value.read_value() for value in values]
-        (combined,), (new,) = combine_kept_finite(
-            compressor, transport, [current], [read], [tf.constant(scale)]
-        )
+        (combined,), (new,), _ = compressor.combine(transport, [current], [read], [scale])
         for state, kept in zip(states, new):
             for key, variable in state.items():
                 variable.assign(kept[key])
         return checksum(combined)
 
-    return stateful
+    return combine
 
 
 def sent_bytes(compressor, shapes):
@@ -616,7 +600,7 @@ def run_codec(say, floor_ms=None):
     )
     if floor_ms:
         for name in names:
-            if tf_agn.compression.is_stateful(tf_agn.compression.get(COMPRESSIONS[name]())):
+            if isinstance(tf_agn.compression.get(COMPRESSIONS[name]()), tf_agn.compression.ErrorFeedbackCompressor):
                 say(
                     f"  {name}, sending nothing: ({floor_ms:.1f} + {ms[name]:.1f}) ms = "
                     f"{(floor_ms + ms[name]) / floor_ms:.2f}x the floor's fit step."

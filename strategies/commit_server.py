@@ -141,29 +141,17 @@ class CommitServer:
         }
 
 
-def compresses(compressor, value):
-    """Whether `compressor` (or None) compresses `value` (a tensor or a
-    variable) on its way."""
-    if compressor is None:
-        return False
-    dtype = tf.as_dtype(value.dtype)
-    if compression.is_stateful(compressor):
-        return compressor.acts_on(dtype)
-    return compressor.wire_dtype(dtype) != dtype
-
-
 def commit_bytes(compressor, center):
     """The bytes a commit sends for `center`."""
-    shape, dtype = tf.TensorShape(center.shape), tf.as_dtype(center.dtype)
-    if compresses(compressor, center):
-        return compressor.wire_bytes(shape, dtype)
-    return shape.num_elements() * dtype.size
+    if compression.compresses(compressor, center):
+        return compressor.wire_bytes([center])
+    return tf.TensorShape(center.shape).num_elements() * tf.as_dtype(center.dtype).size
 
 
 def decode(compressor, payload, center):
     """A commit's Δ for `center` from what the worker sent, decompressed
     on the center's device."""
-    if not compresses(compressor, center):
+    if not compression.compresses(compressor, center):
         return payload[0]
     # A sharded center (a `variable_partitioner`) has no one device: the
     # payload then goes where TensorFlow places the decompression.

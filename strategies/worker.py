@@ -6,7 +6,6 @@ from tf_agn import _compat
 from tf_agn import compression
 from tf_agn.finite import all_finite
 from tf_agn.optimizers.windowed import optimizer_state
-from tf_agn.strategies.commit_server import compresses
 from tf_agn.strategies.worker_state import per_worker_variables
 
 
@@ -118,7 +117,7 @@ class Worker:
         finite = all_finite(deltas)
         payloads = []
         for delta, state in zip(deltas, self.commit_state):
-            if not compresses(compressor, delta):
+            if not compression.compresses(compressor, delta):
                 payloads.append((delta,))
                 continue
             payload, new_state = compressor.encode(delta, {k: tf.identity(v) for k, v in state.items()})
@@ -131,7 +130,7 @@ class Worker:
 
 def _state_spec(compressor, center):
     """The error-feedback state `compressor` keeps for `center`, by name."""
-    if not compression.is_stateful(compressor) or not compressor.acts_on(center.dtype):
+    if not compression.compresses(compressor, center):
         return {}
     return compressor.state_spec(center.shape)
 

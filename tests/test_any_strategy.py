@@ -281,8 +281,7 @@ def test_every_compressors_replica_side_work_compiles_with_xla(compressor, metho
     size, shapes = 3, [(40, 24), (24,), (7, 5)]
     rng = np.random.default_rng(0)
     values = [[tf.constant(rng.normal(size=s), tf.float32) for s in shapes] for _ in range(size)]
-    stateful = compression.is_stateful(compressor)
-    states = [[initial_state(compressor, s) for s in shapes] for _ in range(size)] if stateful else None
+    states = [[initial_state(compressor, s) for s in shapes] for _ in range(size)]
 
     def step():
         combined, new_states = combine_replicas(

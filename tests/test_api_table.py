@@ -49,8 +49,7 @@ NO_ARGUMENTS = "—"
 # with the reason.
 NOT_IN_TABLE = {
     "tf_agn.compression.serialize": "a helper of tf_agn's optimizers' configs",
-    "tf_agn.compression.is_stateful": "a helper of tf_agn's optimizers",
-    "tf_agn.compression.acting_on": "a helper of tf_agn's optimizers",
+    "tf_agn.compression.compresses": "a helper of tf_agn's optimizers",
     "tf_agn.compression.name_of": "a helper of tf_agn's optimizers' configs",
 }
 NAMESPACES = (

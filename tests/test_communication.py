@@ -252,19 +252,21 @@ def test_the_count_is_the_bytes_of_the_buffers_sent(compressor, shapes, compress
         values[0], compressor, tf.constant(step, tf.int64), NUM_REPLICAS, BYTES_PER_PACK
     )
     assert int(counted) == want
-    assert compressor.payload_bytes(
-        [tf.TensorShape(s) for s in shapes], NUM_REPLICAS, BYTES_PER_PACK
+    assert compressor.wire_bytes(
+        [tf.TensorSpec(s, tf.float32) for s in shapes], NUM_REPLICAS, BYTES_PER_PACK
     ) == compressed_bytes
 
 
 def test_int8_pads_every_pack_for_the_replicas():
     int8 = compression.Int8(chunk_size=512)
-    shape = tf.TensorShape([1000])
-    assert int8.wire_bytes(shape, tf.float32) == 1000 + 2 * 4
+    value = tf.TensorSpec([1000], tf.float32)
+    # To one receiver the codes are not padded.
+    assert int8.wire_bytes([value]) == 1000 + 2 * 4
     # 2 replicas: 1024 codes; 4: 2048; one replica's part is whole chunks.
-    assert int8.payload_bytes([shape], 2, 2**22) == 1024 + 2 * 4
-    assert int8.payload_bytes([shape], 4, 2**22) == 2048 + 4 * 4
+    assert int8.wire_bytes([value], 2, 2**22) == 1024 + 2 * 4
+    assert int8.wire_bytes([value], 4, 2**22) == 2048 + 4 * 4
     # Two values that share a pack share its padding; apart, each pads.
-    pair = [tf.TensorShape([600]), tf.TensorShape([400])]
-    assert int8.payload_bytes(pair, 2, 2**22) == 1024 + 2 * 4
-    assert int8.payload_bytes(pair, 2, 600 * 4) == 2 * (1024 + 2 * 4)
+    pair = [tf.TensorSpec([600], tf.float32), tf.TensorSpec([400], tf.float32)]
+    assert int8.wire_bytes(pair, 2, 2**22) == 1024 + 2 * 4
+    assert int8.wire_bytes(pair, 2, 600 * 4) == 2 * (1024 + 2 * 4)
+    assert int8.wire_bytes(pair, 2) == 2 * (1024 + 2 * 4)

@@ -86,14 +86,12 @@ def test_casts_act_on_float32_and_float64_only():
     assert compression.BF16.wire_dtype(tf.float32) == tf.bfloat16
 
 
-class Float16Scaled(compression.Compressor):
+class Float16Scaled(compression.Cast):
     """The module docstring's example: float32 scaled by 2**-8 into float16,
     so that values up to 2**8 * 65504 survive."""
 
-    name = "fp16_scaled"
-
-    def wire_dtype(self, dtype):
-        return tf.float16 if dtype == tf.float32 else dtype
+    def __init__(self):
+        super().__init__("fp16_scaled", tf.float16)
 
     def compress(self, tensor):
         return tf.cast(tensor * 2.0**-8, tf.float16)

@@ -588,12 +588,16 @@ def test_bad_arguments_are_named(make, message):
 
 def test_wire_bytes():
     int8_compressor = compression.Int8()
-    assert int8_compressor.wire_bytes(tf.TensorShape([4096, 4096]), tf.float32) == 4096 * 4096 * (1 + 4 / 512)
+    matrix = tf.TensorSpec([4096, 4096], tf.float32)
+    assert int8_compressor.wire_bytes([matrix]) == 4096 * 4096 * (1 + 4 / 512)
     powersgd = compression.PowerSGD(rank=4)
-    assert powersgd.wire_bytes(tf.TensorShape([4096, 4096]), tf.float32) == 2 * 4096 * 4 * 4
+    assert powersgd.wire_bytes([matrix]) == 2 * 4096 * 4 * 4
     # A Conv2D kernel is (3 * 3 * 64) x 128; a bias is sent whole.
     assert powersgd.matrix_shape(tf.TensorShape([3, 3, 64, 128])) == (576, 128)
-    assert powersgd.wire_bytes(tf.TensorShape([128]), tf.float32) == 512
+    assert powersgd.wire_bytes([tf.TensorSpec([128], tf.float32)]) == 512
+    assert powersgd.wire_bytes([matrix, tf.TensorSpec([128], tf.float32)], 4, 2**22) == (
+        2 * 4096 * 4 * 4 + 512
+    )
     # Too small to gain 2x: sent whole.
     assert powersgd.matrix_shape(tf.TensorShape([8, 8])) is None
 
@@ -613,7 +617,7 @@ def test_an_encoded_commit_holds_its_wire_bytes(compressor):
         }
         payload, _ = compressor.encode(value, state)
         sent = sum(t.shape.num_elements() * t.dtype.size for t in payload)
-        assert sent == compressor.wire_bytes(tf.TensorShape(shape), tf.float32), shape
+        assert sent == compressor.wire_bytes([value]), shape
         decoded = compressor.decode(payload, tf.TensorShape(shape), tf.float32).numpy()
         if isinstance(compressor, compression.Int8):
             step = np.abs(value.numpy()).max() / 127

@@ -8,7 +8,6 @@ import tensorflow as tf
 from tf_agn import compression
 from tf_agn import packing
 from tf_agn.aggregation import replica_weights
-from tf_agn.compression import error_feedback
 
 
 def combine_replicas(
@@ -16,10 +15,9 @@ def combine_replicas(
 ):
     """Combines every local replica's values with `method`.
 
-    Sparse values (`tf.IndexedSlices`) are gathered. Dense values travel in
-    packs of one dtype, each all-reduced (a cast compressor wraps the
-    all-reduce). The values a stateful compressor acts on travel by its
-    own patterns, with its state.
+    Sparse values (`tf.IndexedSlices`) are gathered; dense values travel in
+    packs of one dtype, each all-reduced; the values `compressor` acts on
+    travel by its `combine`, with its state.
 
     Args:
         transport: a `tf_agn.transports` transport.
@@ -27,49 +25,34 @@ def combine_replicas(
         values: for each local replica of `transport`, its list of tensors
             and `tf.IndexedSlices`, alike on every replica.
         value_scale: a Python number every value is multiplied by.
-        compressor: None, or a `tf_agn.compression` compressor.
-        states: for an `ErrorFeedbackCompressor`: for each local replica,
-            one dict per value from a name of its `state_spec` to the
-            replica's state.
-        step: for an `ErrorFeedbackCompressor` with a `start_step`: the
-            optimizer's step, a scalar integer tensor.
+        compressor: None, or a `tf_agn.compression.Compressor`.
+        states: for each local replica, one dict per value from a name of
+            the compressor's `state_spec` to the replica's state; None for
+            a compressor without state.
+        step: for a compressor with a `start_step`: the optimizer's step, a
+            scalar integer tensor.
 
     Returns:
         `(combined, new_states)`: `combined` laid out like `values`, the
         same sum on every replica; `new_states` laid out like `states`.
     """
     like = values[0]
-    stateful = compression.is_stateful(compressor)
-    compressed = [
-        i for i, value in enumerate(like)
-        if stateful and not isinstance(value, tf.IndexedSlices) and compressor.acts_on(value.dtype)
-    ]
+    compressed = [i for i, value in enumerate(like) if compression.compresses(compressor, value)]
     exact = [i for i in range(len(like)) if i not in set(compressed)]
     combined = [list(replica) for replica in values]
-    sparse, packs = packing.split_packs([like[i] for i in exact], transport.bytes_per_pack)
-    for position in sparse:
-        index = exact[position]
-        weights = replica_weights(method, like[index].dtype, transport, value_scale)
-        gathered = transport.all_gather_slices([replica[index] for replica in values], weights)
-        for replica, value in zip(combined, gathered):
-            replica[index] = value
-    for pack in packs:
-        indices = [exact[position] for position in pack]
-        dtype = like[indices[0]].dtype
-        cast = None if stateful else compression.acting_on(compressor, dtype)
-        weights = replica_weights(method, dtype, transport, value_scale)
-        summed = transport.all_reduce([[replica[i] for i in indices] for replica in values], weights, cast)
-        for replica, tensors in zip(combined, summed):
-            for index, tensor in zip(indices, tensors):
-                replica[index] = tensor
+    _place(combined, exact, _combine_exactly(
+        transport, method, [[replica[i] for i in exact] for replica in values], value_scale
+    ))
     if not compressed:
         return combined, states
-    weights = replica_weights(method, tf.float32, transport, value_scale)
+    weights = replica_weights(method, like[compressed[0]].dtype, transport, value_scale)
     compressed_values = [[replica[i] for i in compressed] for replica in values]
-    compressed_states = [[replica[i] for i in compressed] for replica in states]
+    compressed_states = [
+        [replica[i] for i in compressed] if states else [{} for _ in compressed]
+        for replica in (states or values)
+    ]
     compress = functools.partial(
-        error_feedback.combine_kept_finite,
-        compressor, transport, compressed_values, compressed_states, weights,
+        _kept_where_finite, compressor, transport, compressed_values, compressed_states, weights
     )
     if compressor.start_step:
         # Before it, values travel exactly and the state waits.
@@ -80,9 +63,54 @@ def combine_replicas(
         )
     else:
         results, new_compressed_states = compress()
+    _place(combined, compressed, results)
+    if states is None:
+        return combined, None
     new_states = [list(replica) for replica in states]
-    for replica in range(len(values)):
-        for position, index in enumerate(compressed):
-            combined[replica][index] = results[replica][position]
-            new_states[replica][index] = new_compressed_states[replica][position]
+    _place(new_states, compressed, new_compressed_states)
     return combined, new_states
+
+
+def _combine_exactly(transport, method, values, value_scale):
+    """Every local replica's `values`: sparse ones gathered, dense ones
+    all-reduced in packs."""
+    if not values[0]:
+        return values
+    sparse, _ = packing.split_packs(values[0], transport.bytes_per_pack)
+    dense = [i for i in range(len(values[0])) if i not in set(sparse)]
+
+    def weights_of(dtype):
+        return replica_weights(method, dtype, transport, value_scale)
+
+    combined = [list(replica) for replica in values]
+    for index in sparse:
+        gathered = transport.all_gather_slices(
+            [replica[index] for replica in values], weights_of(values[0][index].dtype)
+        )
+        _place(combined, [index], [[value] for value in gathered])
+    _place(combined, dense, packing.all_reduce_packs(
+        transport, [[replica[i] for i in dense] for replica in values], weights_of
+    ))
+    return combined
+
+
+def _kept_where_finite(compressor, transport, values, states, weights):
+    """`compressor.combine`, keeping each replica's old state where its
+    combined values are not finite (a mixed precision overflow must not
+    make every later residual NaN)."""
+    combined, new_states, finite = compressor.combine(transport, values, states, weights)
+    guarded = []
+    for device, new, old, replica_finite in zip(transport.devices, new_states, states, finite):
+        with tf.device(device):
+            # A cond, not a select, which would read both states and copy.
+            if tf.nest.flatten(new):
+                new = tf.cond(replica_finite, lambda new=new: new, lambda old=old: old)
+            guarded.append(new)
+    return combined, guarded
+
+
+def _place(per_replica, indices, values):
+    """Writes each replica's `values` at `indices` of its list in `per_replica`."""
+    for replica, replica_values in zip(per_replica, values):
+        for index, value in zip(indices, replica_values):
+            replica[index] = value

@@ -3,7 +3,8 @@
 import keras
 import tensorflow as tf
 
-from tf_agn.compression import is_stateful
+from tf_agn import compression
+from tf_agn.compression.compressor import num_elements
 
 
 PATTERNS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -56,21 +57,20 @@ class CommunicationCounter:
 def payload_bytes(
     values, compressor=None, step=None, num_replicas=1, bytes_per_pack=None, gathered=False
 ):
-    """The bytes one replica sends to aggregate `values` in `compressor`'s
-    form, or with `gathered`, receives where reduce-scatter and all-to-all
-    are all-gathers (`ReplicaTransport`).
+    """The bytes one replica sends to aggregate `values` among
+    `num_replicas`, those `compressor` acts on as its `wire_bytes` counts
+    them; with `gathered`, what it receives where reduce-scatter and
+    all-to-all are all-gathers (`ReplicaTransport`).
 
-    `step`, `num_replicas` and `bytes_per_pack` matter only for an
-    `ErrorFeedbackCompressor`. Returns an int, or an int64 scalar where the
-    count depends on `step` or on a shape unknown while tracing.
+    `step` matters only for a compressor with a `start_step`. Returns an
+    int, or an int64 scalar where the count depends on `step` or on a shape
+    unknown while tracing.
     """
-    compressed = [v for v in values if _compresses(compressor, v)]
-    exact = sum(_exact_bytes(v) for v in values if not _compresses(compressor, v))
+    compressed = [v for v in values if compression.compresses(compressor, v)]
+    exact = sum(_exact_bytes(v) for v in values if not compression.compresses(compressor, v))
     if not compressed:
         return exact
-    if not is_stateful(compressor):
-        return exact + sum(compressor.wire_bytes(v.shape, v.dtype) for v in compressed)
-    sent = compressor.payload_bytes([v.shape for v in compressed], num_replicas, bytes_per_pack)
+    sent = compressor.wire_bytes(compressed, num_replicas, bytes_per_pack)
     if gathered and gathers(compressor):
         sent *= num_replicas - 1
     if compressor.start_step:
@@ -85,27 +85,15 @@ def payload_bytes(
 
 
 def gathers(compressor):
-    """Whether `compressor` uses a reduce-scatter or an all-to-all (all-gathers
-    of whole buffers without tf_agn's ops)."""
-    return bool({"reduce_scatter", "all_to_all"} & set(compressor.patterns))
-
-
-def _compresses(compressor, value):
-    """Whether `value` travels in `compressor`'s form."""
-    if compressor is None or isinstance(value, tf.IndexedSlices):
-        return False
-    if not value.shape.is_fully_defined():
-        return False
-    return not is_stateful(compressor) or compressor.acts_on(value.dtype)
+    """Whether `compressor` all-reduces by a reduce-scatter or an all-to-all
+    (all-gathers of whole buffers without tf_agn's ops)."""
+    return bool({"reduce_scatter", "all_to_all"} & set(compressor.patterns["all_reduce"]))
 
 
 def _exact_bytes(value):
     if isinstance(value, tf.IndexedSlices):
         return _exact_bytes(value.values) + _exact_bytes(value.indices)
-    num_elements = value.shape.num_elements()
-    if num_elements is None:  # e.g. the rows of an IndexedSlices
-        num_elements = tf.size(value, out_type=tf.int64)
-    return num_elements * value.dtype.size
+    return num_elements(value) * tf.as_dtype(value.dtype).size
 
 
 def communication_stats(optimizer):

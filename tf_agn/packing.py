@@ -49,6 +49,22 @@ def split_packs(tensors, bytes_per_pack):
     return sparse, [[dense[i] for i in pack] for pack in packs]
 
 
+def all_reduce_packs(transport, values, weights_of, cast=None):
+    """Every local replica's dense `values` (a list per replica), all-reduced
+    on `transport` in packs of one dtype, each weighted by
+    `weights_of(dtype)` and carried by `cast` (a `tf_agn.compression.Cast`)
+    if given; returns them laid out like `values`."""
+    _, packs = split_packs(values[0], transport.bytes_per_pack)
+    combined = [list(replica) for replica in values]
+    for pack in packs:
+        weights = weights_of(values[0][pack[0]].dtype)
+        summed = transport.all_reduce([[replica[i] for i in pack] for replica in values], weights, cast)
+        for replica, tensors in zip(combined, summed):
+            for index, tensor in zip(pack, tensors):
+                replica[index] = tensor
+    return combined
+
+
 def accumulation_dtype(dtype):
     """The dtype sums are taken in: at least float32 for floats."""
     if dtype in (tf.float16, tf.bfloat16):

@@ -6,7 +6,6 @@ import warnings
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import compression
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import replica_weights
 from tf_agn.aggregation import scale_value
@@ -65,10 +64,9 @@ def aggregate(
         value_scale: a Python number every value is multiplied by first.
         compressor: None, or the `tf_agn.compression` compressor the values
             travel in.
-        state: for an `ErrorFeedbackCompressor`: one dict per value from
-            its `state_spec` names to this replica's variables.
-        step: for an `ErrorFeedbackCompressor` with a `start_step`: the
-            optimizer's step.
+        state: for a compressor with state: one dict per value from its
+            `state_spec` names to this replica's variables.
+        step: for a compressor with a `start_step`: the optimizer's step.
         counter: an optional `tf_agn.CommunicationCounter` to record in.
         when: None, or a scalar boolean tensor alike on every replica:
             where false, the values come back as given, uncounted.
@@ -107,9 +105,9 @@ def aggregate(
         if ops is None:
             _warn_if_gathering_costs_more(context, compressor, tensors, transport)
         variables = None
-        if compression.is_stateful(compressor):
+        if state is not None and tf.nest.flatten(state):
             variables = [state[i] for i in present]
-        else:
+        if compressor is None or not compressor.start_step:
             step = None
         if ops is None:
             combined = _aggregate_in_replica(
@@ -293,16 +291,13 @@ def _aggregate_in_replica(
 def _warn_if_gathering_costs_more(context, compressor, values, transport):
     """Warns where all-gathering n - 1 compressed payloads costs more than a
     float32 ring all-reduce (int8: from about 8 replicas)."""
-    if not compression.is_stateful(compressor) or not gathers(compressor):
+    if compressor is None or not gathers(compressor):
         return
-    shapes = [
-        v.shape for v in values
-        if not isinstance(v, tf.IndexedSlices) and compressor.acts_on(v.dtype)
-    ]
+    compressed = [v for v in values if compressor.acts_on(v)]
     n = transport.size
-    payload = compressor.payload_bytes(shapes, n, transport.bytes_per_pack)
-    float32 = 4 * sum(shape.num_elements() for shape in shapes)
-    if shapes and n * payload > 2 * float32:
+    payload = compressor.wire_bytes(compressed, n, transport.bytes_per_pack)
+    float32 = 4 * sum(v.shape.num_elements() for v in compressed)
+    if compressed and n * payload > 2 * float32:
         warnings.warn(
             f"compression={compressor.name!r} under "
             f"{type(context.strategy).__name__}, which has no tf_agn ops: each of "

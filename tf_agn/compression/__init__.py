@@ -4,9 +4,9 @@ Pass `compression=` to any tf_agn optimizer, to
 `tf_agn.optimizers.DistributedOptimizer`, or to a strategy builder:
 None, "fp16", "bf16", "int8", `Int8(...)` or `PowerSGD(rank=r)`. Only what
 tf_agn's optimizers aggregate is compressed; TensorFlow's own reductions
-(`strategy.reduce`, metrics, Keras's optimizers) stay exact. Int8 and
-PowerSGD keep error feedback (`ErrorFeedbackCompressor`). A user's own
-compressor subclasses `Compressor` or `ErrorFeedbackCompressor` and is
+(`strategy.reduce`, metrics, Keras's optimizers) stay exact. Every
+compressor implements `Compressor`; a user's own subclasses `Cast` (element
+by element) or `ErrorFeedbackCompressor` (with per-replica state) and is
 registered with `keras.saving.register_keras_serializable`.
 """
 
@@ -15,7 +15,8 @@ import keras
 from tf_agn.compression.cast import BF16
 from tf_agn.compression.cast import FP16
 from tf_agn.compression.cast import Cast
-from tf_agn.compression.cast import Compressor
+from tf_agn.compression.compressor import Compressor
+from tf_agn.compression.compressor import StateSpec
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
 from tf_agn.compression.int8 import Int8
 from tf_agn.compression.powersgd import PowerSGD
@@ -29,8 +30,7 @@ def get(identifier):
 
     Args:
         identifier: None (no compression), "fp16", "bf16", "int8", a
-            `Compressor` or `ErrorFeedbackCompressor`, or the config dict
-            `serialize` made of one.
+            `Compressor`, or the config dict `serialize` made of one.
 
     Returns:
         A compressor, or None for no compression.
@@ -38,7 +38,7 @@ def get(identifier):
     Raises:
         ValueError: for anything else, naming it and the allowed values.
     """
-    if identifier is None or isinstance(identifier, (Compressor, ErrorFeedbackCompressor)):
+    if identifier is None or isinstance(identifier, Compressor):
         return identifier
     if isinstance(identifier, str) and identifier.lower() in BY_NAME:
         return BY_NAME[identifier.lower()]()
@@ -48,7 +48,7 @@ def get(identifier):
     raise ValueError(
         f"Unknown compression {identifier!r}. Allowed: None, {allowed}, "
         "tf_agn.compression.PowerSGD(rank=...), or a "
-        "tf_agn.compression.Compressor or ErrorFeedbackCompressor."
+        "tf_agn.compression.Compressor."
     )
 
 
@@ -61,16 +61,9 @@ def serialize(compressor):
     return keras.saving.serialize_keras_object(compressor)
 
 
-def is_stateful(compressor):
-    """Whether `compressor` keeps per-replica state."""
-    return isinstance(compressor, ErrorFeedbackCompressor)
-
-
-def acting_on(compressor, dtype):
-    """`compressor` if it is a cast that compresses `dtype` values, else None."""
-    if compressor is None or compressor.wire_dtype(dtype) == dtype:
-        return None
-    return compressor
+def compresses(compressor, value):
+    """Whether `compressor` (None: no compression) compresses `value`."""
+    return compressor is not None and compressor.acts_on(value)
 
 
 def name_of(compressor):

@@ -1,15 +1,13 @@
-"""Stateless compressors: casts that act on each element alone.
+"""`Cast`: values travel as a smaller float dtype, element by element.
 
-A `Compressor` runs inside `AggregatingAllReduce`'s packed, XLA-compiled
-path, so it must commute with summation up to rounding: a cast, or a
-scaling every replica shares. Example:
+A cast runs inside the transports' packed, XLA-compiled all-reduce, so it
+must commute with summation up to rounding: a cast, or a scaling every
+replica shares. Example:
 
 ```python
-class Float16Scaled(tf_agn.compression.Compressor):
-    name = "fp16_scaled"
-
-    def wire_dtype(self, dtype):
-        return tf.float16 if dtype == tf.float32 else dtype
+class Float16Scaled(tf_agn.compression.Cast):
+    def __init__(self):
+        super().__init__("fp16_scaled", tf.float16)
 
     def compress(self, tensor):
         return tf.cast(tensor * 2.0**-8, tf.float16)
@@ -24,28 +22,34 @@ Compiled functions trace once per compressor object: keep the default
 
 import tensorflow as tf
 
+from tf_agn import packing
+from tf_agn.compression.compressor import Compressor
+from tf_agn.compression.compressor import each_finite
+from tf_agn.compression.compressor import num_elements
 
-class Compressor:
-    """Base class of stateless compressors: a tensor's dtype on the wire
-    and the functions that map it there and back.
 
-    Values of dtypes `wire_dtype` leaves unchanged travel unchanged.
+class Cast(Compressor):
+    """Casts float32 and float64 values to a smaller float dtype.
 
-    Attributes:
-        name: a short string; every worker's compressor must have the same.
-        patterns: the transport patterns its values travel by.
+    Args:
+        name: the compressor's name.
+        dtype: the dtype values travel, and are summed, in.
     """
 
-    name = None
-    patterns = ("all_reduce",)
+    patterns = {"all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter",)}
+    travels_loss_scaled = True
+
+    def __init__(self, name, dtype):
+        self.name = name
+        self.dtype = dtype
 
     def wire_dtype(self, dtype):
-        """The dtype values of `dtype` travel, and are summed, in."""
-        raise NotImplementedError
+        """The dtype values of `dtype` travel in."""
+        return self.dtype if dtype in (tf.float32, tf.float64) else dtype
 
     def compress(self, tensor):
-        """Maps one (scaled) tensor to what travels: `wire_dtype`, same shape."""
-        raise NotImplementedError
+        """Maps one (weighted) tensor to what travels: `wire_dtype`, same shape."""
+        return tf.cast(tensor, self.dtype)
 
     def decompress(self, tensor, dtype):
         """Maps a received tensor back to `dtype`, element by element.
@@ -54,47 +58,40 @@ class Compressor:
         flattened into one buffer, with `dtype` possibly wider (float32 for
         float16).
         """
-        raise NotImplementedError
+        return tf.cast(tensor, dtype)
 
-    def wire_bytes(self, shape, dtype):
-        """The bytes one replica sends for a value of `shape` and `dtype`."""
-        return shape.num_elements() * self.wire_dtype(dtype).size
+    def acts_on(self, value):
+        if isinstance(value, tf.IndexedSlices):
+            return False
+        dtype = tf.as_dtype(value.dtype)
+        return self.wire_dtype(dtype) != dtype
+
+    def wire_bytes(self, values, num_replicas=1, bytes_per_pack=None):
+        del num_replicas, bytes_per_pack  # Nothing is padded.
+        return sum(num_elements(v) * self.wire_dtype(tf.as_dtype(v.dtype)).size for v in values)
+
+    def combine(self, transport, values, states, weights):
+        combined = packing.all_reduce_packs(transport, values, lambda dtype: weights, self)
+        return combined, states, each_finite(transport.devices, combined)
 
     def encode(self, value, state):
-        """`(payload, new_state)` for a trip to a single receiver (an
-        asynchronous commit to a parameter server); casts have no state."""
-        del state
+        del state  # A cast keeps none.
         return (self.compress(value),), {}
 
     def decode(self, payload, shape, dtype):
-        """The value `encode` made `payload` of, on the receiver."""
         del shape
         return self.decompress(payload[0], dtype)
 
+    def encode_rows(self, rows, residual_rows=None):
+        del residual_rows  # A cast drops nothing it could send later.
+        return self.compress(rows), None
+
+    def decode_rows(self, received, length, dtype):
+        del length
+        return self.decompress(received, dtype)
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
-
-
-class Cast(Compressor):
-    """Casts float32 and float64 values to a smaller float dtype.
-
-    Args:
-        name: the compressor's name.
-        dtype: the dtype values travel in.
-    """
-
-    def __init__(self, name, dtype):
-        self.name = name
-        self.dtype = dtype
-
-    def wire_dtype(self, dtype):
-        return self.dtype if dtype in (tf.float32, tf.float64) else dtype
-
-    def compress(self, tensor):
-        return tf.cast(tensor, self.dtype)
-
-    def decompress(self, tensor, dtype):
-        return tf.cast(tensor, dtype)
 
 
 # float16: 11 significant bits up to 65504; bfloat16: float32's range, 8 bits.

@@ -20,8 +20,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_agn import packing
+from tf_agn.compression.compressor import StateSpec
+from tf_agn.compression.compressor import each_finite
+from tf_agn.compression.compressor import num_elements
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
-from tf_agn.compression.error_feedback import StateSpec
 from tf_agn.compression.error_feedback import compiled
 
 _LEVELS = 127.0
@@ -42,7 +44,7 @@ class Int8(ErrorFeedbackCompressor):
     """
 
     name = "int8"
-    patterns = ("reduce_scatter", "all_gather")
+    patterns = {"all_reduce": ("reduce_scatter", "all_gather"), "reduce_scatter": ("all_to_all",)}
 
     def __init__(self, chunk_size=512, error_feedback=True, start_step=0):
         super().__init__(error_feedback, start_step)
@@ -60,25 +62,20 @@ class Int8(ErrorFeedbackCompressor):
             return {}
         return {"residual": StateSpec(shape, "zeros", owed=True)}
 
-    def wire_bytes(self, shape, dtype):
-        """A code per element and a float32 scale per chunk, unpadded."""
-        elements = shape.num_elements()
-        return elements + 4 * -(-elements // self.chunk_size)
-
-    def payload_bytes(self, shapes, num_replicas, bytes_per_pack):
-        """What each replica puts in `combine`'s all-to-all: codes padded to
-        whole chunks per part, and a float32 scale per chunk.
+    def wire_bytes(self, values, num_replicas=1, bytes_per_pack=None):
+        """A code per element and a float32 scale per chunk; among replicas,
+        each pack padded to whole chunks per replica's part.
 
         ```python
         int8 = tf_agn.compression.Int8(chunk_size=512)
-        int8.wire_bytes(tf.TensorShape([1000]), tf.float32)  # 1000 + 2 * 4
-        int8.payload_bytes([tf.TensorShape([1000])], 4, 2**22)  # 2048 + 4 * 4
+        value = tf.TensorSpec([1000], tf.float32)
+        int8.wire_bytes([value])  # 1000 + 2 * 4
+        int8.wire_bytes([value], num_replicas=4)  # 2048 + 4 * 4
         ```
         """
-        sizes = [(tf.float32, shape.num_elements()) for shape in shapes]
+        sizes = [(tf.float32, num_elements(v)) for v in values]
         return sum(
-            layout.wire_bytes
-            for _, layout in _plan(sizes, num_replicas, self.chunk_size, bytes_per_pack)
+            layout.wire_bytes for _, layout in _plan(sizes, num_replicas, self.chunk_size, bytes_per_pack)
         )
 
     def get_config(self):
@@ -106,19 +103,19 @@ class Int8(ErrorFeedbackCompressor):
         flat = tf.reshape(dequantize(codes, scales), [-1])
         return tf.cast(tf.reshape(flat[:length], shape), dtype)
 
-    def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
-        devices = transport.devices
+    def combine(self, transport, values, states, weights):
+        devices, jit_compile = transport.devices, transport.jit_compile
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        for pack, layout in _plan(sizes, transport.size, self.chunk_size, bytes_per_pack):
+        for pack, layout in _plan(sizes, transport.size, self.chunk_size, transport.bytes_per_pack):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
                 residuals = [states[r][i]["residual"] for i in pack] if self.error_feedback else []
                 with tf.device(device):
                     flat = compiled(_pack, jit_compile, device)(
-                        [values[r][i] for i in pack], residuals, scales[r], layout
+                        [values[r][i] for i in pack], residuals, weights[r], layout
                     )
                     wire, error = self._quantized(flat, layout.parts, jit_compile, device)
                 wires.append(wire)
@@ -148,13 +145,12 @@ class Int8(ErrorFeedbackCompressor):
                     combined[r][index] = tensors[position]
                     if self.error_feedback:
                         new_states[r][index] = {"residual": residuals[position]}
-        return combined, new_states
+        return combined, new_states, each_finite(devices, combined)
 
     def encode_rows(self, rows, residual_rows=None):
-        """`(wire, error)` for a reduce-scatter in replica context: `rows`
-        ([n, length] float32, row j for replica j) plus `residual_rows`,
-        quantized as an int32 buffer, and what that dropped (or None)."""
-        layout = self.rows_layout(*rows.shape)
+        """Each row ([n, length] float32) plus its residual, padded to whole
+        chunks and quantized, as one int32 buffer of n rows."""
+        layout = _rows_layout(*rows.shape, self.chunk_size)
         if residual_rows is not None:
             rows += residual_rows
         padding = layout.part_length - rows.shape[1]
@@ -165,16 +161,10 @@ class Int8(ErrorFeedbackCompressor):
             error = tf.reshape(error, [layout.parts, -1])[:, : rows.shape[1]]
         return wire, error
 
-    def sum_rows(self, received, length):
-        """The float32 sum of the n rows of `encode_rows` wires that one
-        replica received: a tensor [length]."""
-        layout = self.rows_layout(received.shape[0], length)
-        return _sum_part(received, layout)[:length]
-
-    def rows_layout(self, num_rows, length):
-        """How `encode_rows` pads n rows of `length`: each to whole chunks."""
-        padded = -(-length // self.chunk_size) * self.chunk_size
-        return _Layout(num_rows * padded, num_rows, self.chunk_size)
+    def decode_rows(self, received, length, dtype):
+        """The float32 sum of the n rows that the all-to-all delivered."""
+        layout = _rows_layout(received.shape[0], length, self.chunk_size)
+        return tf.cast(_sum_part(received, layout)[:length], dtype)
 
     def _quantized(self, flat, rows, jit_compile, device):
         """`flat` quantized as an int32 buffer of `rows` rows, and what
@@ -201,16 +191,25 @@ class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size"
 
     @property
     def wire_bytes(self):
-        """The bytes of one replica's buffer: codes and scales."""
-        return self.padded + 4 * self.parts * self.chunks_per_part
+        """The bytes of one replica's buffer: codes and scales; to a single
+        receiver, the codes unpadded."""
+        codes = self.length if self.parts == 1 else self.padded
+        return codes + 4 * self.parts * self.chunks_per_part
 
 
-def _plan(sizes, parts, chunk_size, bytes_per_pack):
-    """The packs of values of `sizes`, each as its indices and `_Layout`."""
-    return [
-        (pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size))
-        for pack in packing.plan_packs(sizes, bytes_per_pack)
-    ]
+def _plan(sizes, parts, chunk_size, bytes_per_pack=None):
+    """The packs of values of `sizes`, each as its indices and `_Layout`;
+    with no `bytes_per_pack`, each value alone."""
+    packs = [[i] for i in range(len(sizes))] if bytes_per_pack is None else (
+        packing.plan_packs(sizes, bytes_per_pack)
+    )
+    return [(pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size)) for pack in packs]
+
+
+def _rows_layout(num_rows, length, chunk_size):
+    """How `Int8.encode_rows` pads n rows of `length`: each to whole chunks."""
+    padded = -(-length // chunk_size) * chunk_size
+    return _Layout(num_rows * padded, num_rows, chunk_size)
 
 
 def quantize(chunks):

@@ -20,8 +20,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_agn.compression.compressor import StateSpec
+from tf_agn.compression.compressor import each_finite
+from tf_agn.compression.compressor import num_elements
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
-from tf_agn.compression.error_feedback import StateSpec
 from tf_agn.compression.error_feedback import compiled
 
 
@@ -43,7 +45,8 @@ class PowerSGD(ErrorFeedbackCompressor):
     """
 
     name = "powersgd"
-    patterns = ("all_reduce",)
+    # Its factors are products of whole matrices: no reduce-scatter.
+    patterns = {"all_reduce": ("all_reduce",)}
 
     def __init__(
         self, rank=1, min_compression_rate=2.0, error_feedback=True, start_step=0, seed=0
@@ -106,11 +109,17 @@ class PowerSGD(ErrorFeedbackCompressor):
             powersgd_local_q=np.zeros_like(state["powersgd_local_q"]),
         )
 
-    def wire_bytes(self, shape, dtype):
-        matrix = self.matrix_shape(shape)
-        if matrix is None:
-            return shape.num_elements() * dtype.size
-        return sum(matrix) * self.rank * dtype.size
+    def wire_bytes(self, values, num_replicas=1, bytes_per_pack=None):
+        """P and Q of each compressed matrix, other values whole; nothing is
+        padded."""
+        del num_replicas, bytes_per_pack
+
+        def sent(value):
+            matrix = self.matrix_shape(tf.TensorShape(value.shape))
+            elements = num_elements(value) if matrix is None else sum(matrix) * self.rank
+            return elements * tf.as_dtype(value.dtype).size
+
+        return sum(sent(v) for v in values)
 
     def get_config(self):
         return {
@@ -140,19 +149,20 @@ class PowerSGD(ErrorFeedbackCompressor):
         basis, q = payload
         return tf.cast(tf.reshape(low_rank(basis, q), shape), dtype)
 
-    def combine(self, transport, values, states, scales, bytes_per_pack, jit_compile):
-        devices = transport.devices
+    def combine(self, transport, values, states, weights):
+        devices, jit_compile = transport.devices, transport.jit_compile
         plan = tuple(
             (tuple(v.shape.as_list()), self.matrix_shape(v.shape)) for v in values[0]
         )
         if not any(matrix for _, matrix in plan):
-            return transport.all_reduce(values, scales), states
+            combined = transport.all_reduce(values, weights)
+            return combined, states, each_finite(devices, combined)
 
         firsts, matrices = [], []
         for r, device in enumerate(devices):
             with tf.device(device):
                 first, replica_matrices = compiled(_project, jit_compile, device)(
-                    values[r], states[r], scales[r], plan
+                    values[r], states[r], weights[r], plan
                 )
             firsts.append(first)
             matrices.append(replica_matrices)

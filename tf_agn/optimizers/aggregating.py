@@ -10,7 +10,6 @@ from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
-from tf_agn.compression import Cast
 from tf_agn.finite import all_finite
 from tf_agn.memory import memory_stats
 from tf_agn.optimizers.accumulation import accumulate_and_apply
@@ -233,13 +232,15 @@ class Aggregating(Communicating):
     def checks_combined_finite(self):
         """Whether a step whose combined gradients are not finite is skipped:
         with a cast (it can overflow on the wire) or under loss scaling."""
-        return self._loss_scale is not None or isinstance(self.resolved_compression, Cast)
+        return self._loss_scale is not None or self._travels_loss_scaled()
 
     def wire_loss_scale(self):
         """The loss scale a cast sends the gradients multiplied by, or None."""
-        if isinstance(self.resolved_compression, Cast):
-            return self._loss_scale
-        return None
+        return self._loss_scale if self._travels_loss_scaled() else None
+
+    def _travels_loss_scaled(self):
+        compressor = self.resolved_compression
+        return compressor is not None and compressor.travels_loss_scaled
 
     def apply_loss_scaled(self, apply, loss_scale):
         """Runs `apply()`, a `LossScaleOptimizer`'s step, under `loss_scale`;

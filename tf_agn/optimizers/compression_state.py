@@ -65,15 +65,13 @@ def add_compression_state(optimizer, variables, compressor, sparse_gradients=Non
         One dict per variable, from a state's name to its `keras.Variable`
         (empty where there is no state).
     """
-    if not compression.is_stateful(compressor):
-        return [{} for _ in variables]
     states = []
     for variable in variables:
         state = {}
         # The user names sparse variables: Keras builds the optimizer before
         # any gradient exists, and lazy state would break `.keras` loading.
-        if declared_sparse(sparse_gradients, variable) or not compressor.acts_on(
-            tf.as_dtype(variable.dtype)
+        if declared_sparse(sparse_gradients, variable) or not compression.compresses(
+            compressor, variable
         ):
             states.append(state)  # It travels uncompressed.
             continue

@@ -6,8 +6,7 @@ from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.aggregation import method_scale
-from tf_agn.compression import acting_on
-from tf_agn.compression import is_stateful
+from tf_agn.compression import compresses
 from tf_agn.finite import all_finite
 from tf_agn.optimizers.compression_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
@@ -32,8 +31,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     rank = tf.distribute.get_replica_context().replica_id_in_sync_group
     arguments = optimizer.compression_arguments(variables)
     check_gradients(grads, variables, arguments["state"], optimizer.sparse_gradients)
-    quantized = is_stateful(arguments["compressor"])  # int8; PowerSGD is refused
-    residuals = [s.get("residual") if quantized else None for s in arguments["state"]]
+    residuals = [s.get("residual") for s in arguments["state"]]
     wire_scale = optimizer.wire_loss_scale()
     grads = loss_scaled(grads, wire_scale)
     combined = [None] * len(grads)
@@ -152,32 +150,33 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     scale = gradient_scale() * value_scale
     num_replicas, length = joined.shape
     exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
-    cast = None if is_stateful(compressor) else acting_on(compressor, joined.dtype)
-    if cast is None and not (is_stateful(compressor) and compressor.acts_on(joined.dtype)):
+    if not compresses(compressor, joined):
         (part,) = reduce_scatter([joined], method, scale, when)
         return part, None, {"reduce_scatter": (exact_bytes, None)}
     # Compressed rows travel weighted in float32, as on every path.
     weighted = packing.scaled(joined, method_scale(method, joined.dtype, num_replicas, scale))
-    if cast is not None:
-        (summed,) = reduce_scatter([cast.compress(weighted)], AggregationMethod.SUM, when=when)
-        sent = joined.shape.num_elements() * cast.wire_dtype(joined.dtype).size // 2
-        return cast.decompress(summed, joined.dtype), None, {"reduce_scatter": (sent, None)}
-    # Int8: quantized rows by an all-to-all, summed by the part's owner.
     wire, error = compressor.encode_rows(weighted, residual)
-    sent = compressor.rows_layout(num_replicas, length).wire_bytes // 2
+    (pattern,) = compressor.patterns["reduce_scatter"]
+    sent = compressor.wire_bytes([joined], num_replicas) // 2
+
+    def carried(condition):
+        if pattern == "reduce_scatter":
+            return reduce_scatter([wire], AggregationMethod.SUM, when=condition)[0]
+        return all_to_all([wire], condition)[0]
+
     if not compressor.start_step:
-        (received,) = all_to_all([wire], when)
-        return compressor.sum_rows(received, length), error, {"all_to_all": (sent, None)}
+        part = compressor.decode_rows(carried(when), length, joined.dtype)
+        return part, error, {pattern: (sent, None)}
     # Before `start_step` the rows travel exactly and the residual waits.
     compressing = tf.greater_equal(arguments["step"], compressor.start_step)
     exactly = tf.logical_not(compressing)
     (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
-    (received,) = all_to_all([wire], _both(when, compressing))
-    part = tf.where(compressing, compressor.sum_rows(received, length), exact)
+    received = carried(_both(when, compressing))
+    part = tf.where(compressing, compressor.decode_rows(received, length, joined.dtype), exact)
     if error is not None:
         error = tf.where(compressing, error, residual)
     return part, error, {
-        "reduce_scatter": (exact_bytes, exactly), "all_to_all": (sent, compressing)
+        "reduce_scatter": (exact_bytes, exactly), pattern: (sent, compressing)
     }
 
 

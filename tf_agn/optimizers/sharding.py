@@ -23,8 +23,6 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.compression import Cast
-from tf_agn.compression import Int8
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import tf_agn_ops
 
@@ -64,10 +62,10 @@ def check_shardable(optimizer, method, compressor):
         )
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
-    if compressor is not None and not isinstance(compressor, (Cast, Int8)):
+    if compressor is not None and "reduce_scatter" not in compressor.patterns:
         problems.append(
-            f"compression={compressor.name!r} (fp16, bf16 and int8 shard; PowerSGD's "
-            "factors need whole matrices on every replica)"
+            f"compression={compressor.name!r}, which carries no reduce-scatter (fp16, bf16 "
+            "and int8 shard; PowerSGD's factors need whole matrices on every replica)"
         )
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")
