@@ -61,7 +61,7 @@ class CommitServer:
         # one atomic step under it: DynSGD's staleness needs exactly that.
         self._lock = tf.CriticalSection(name="commit_lock")
         optimizer.outer_optimizer.build(self.centers)
-        self.compressor = optimizer.resolved_compression
+        self.compressor = optimizer.compressor
         self.bytes_per_commit = sum(
             commit_bytes(self.compressor, center) for center in self.centers
         )

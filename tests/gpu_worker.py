@@ -64,7 +64,7 @@ def check(names, transport, compression):
     values = per_replica(strategy, names, arrays)
     rows = []
     for method in ("sum", "mean", "only_first_replica", "none"):
-        results = replica_aggregate.aggregate(strategy, method, values, compressor=ops.compressor)
+        results = replica_aggregate.aggregate(strategy, method, values, compressor=ops.default_compressor)
         error, placed = 0.0, True
         for i, value in enumerate(results):
             column = [a[i].astype(np.float64) for a in arrays]

@@ -387,13 +387,13 @@ def cell_id(cell):
 # Training -------------------------------------------------------------------
 
 
-def stock_optimizer(name, accumulation=None, gradient_scale=1):
+def stock_optimizer(name, accumulation=None, keras_loss_divisor=1):
     """Keras's own optimizer `name`, its gradients multiplied by
-    `gradient_scale` (a power of two: exactly)."""
+    `keras_loss_divisor` (a power of two: exactly)."""
     base, settings = OPTIMIZERS[name]
-    cls = base if gradient_scale == 1 else type(base.__name__, (base,), {
+    cls = base if keras_loss_divisor == 1 else type(base.__name__, (base,), {
         "apply": lambda self, grads, variables=None: base.apply(
-            self, [_scaled(g, gradient_scale) for g in grads], variables
+            self, [_scaled(g, keras_loss_divisor) for g in grads], variables
         ),
     })
     optimizer = cls(**settings, gradient_accumulation_steps=accumulation)

@@ -110,11 +110,11 @@ def test_the_state_follows_keras_own_variables():
 def test_strategy_compression_is_the_optimizers_default():
     strategy = tf_agn.strategies.mirrored(devices=DEVICES, compression="int8")
     model = build(strategy, lambda: tf_agn.optimizers.SGD(0.1))
-    assert isinstance(model.optimizer.resolved_compression, compression.Int8)
+    assert isinstance(model.optimizer.compressor, compression.Int8)
     fit(model, 1)
     assert len(per_replica_state(model)) == 4  # a residual per variable
     own = build(strategy, lambda: tf_agn.optimizers.SGD(0.1, compression="fp16"))
-    assert own.optimizer.resolved_compression is compression.FP16
+    assert own.optimizer.compressor is compression.FP16
 
 
 @pytest.mark.parametrize("compressor", ["int8", compression.PowerSGD(rank=2)], ids=["int8", "powersgd"])
@@ -167,7 +167,7 @@ def owed_in_all(model):
     """What the replicas owe altogether under error feedback, per
     compressed variable: the sum over replicas of `compressor.residual`."""
     strategy = model.distribute_strategy
-    compressor, states = model.optimizer.error_feedback_state()
+    compressor, states = model.optimizer.compressor_state()
     return [
         np.sum([
             resizing.owed_by(compressor, dict(zip(state, replica)))

@@ -109,7 +109,7 @@ def test_a_subclass_compresses_aggregate(transport, flatten_packs):
     strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
     value = per_replica(strategy, large_values)
     ones = per_replica(strategy, lambda r: np.full([3], r + 1, np.int64))
-    (summed, counts) = replica_aggregate.aggregate(strategy, "sum", [value, ones], compressor=ops.compressor)
+    (summed, counts) = replica_aggregate.aggregate(strategy, "sum", [value, ones], compressor=ops.default_compressor)
     want = exact(SUM)
     for tensor in summed.values:
         assert tensor.dtype == tf.float32

@@ -108,7 +108,7 @@ def test_deep_copy_of_a_strategy_reduces_like_the_original(transport):
     assert type(copied_ops) is type(ops) and copied_ops is not ops
     settings = lambda o: (  # noqa: E731
         o.aggregation, o.bytes_per_pack, o.compressor.name, o.jit_compile,
-        o.transport, o.num_workers, o.worker_index, o.options.bytes_per_pack,
+        o.transport_name, o.num_workers, o.worker_index, o.options.bytes_per_pack,
     )
     assert settings(copied_ops) == settings(ops)
     # Both reduce, in turn, and agree with TensorFlow's ops.

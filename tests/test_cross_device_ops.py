@@ -351,7 +351,7 @@ def test_compression(compression, tolerance, dtype, reduce_op):
     arrays = [replica_arrays(s, dtype, i) for i, s in enumerate([[40], [3, 7]])]
     values = [per_replica(strategy, a) for a in arrays]
     results = replica_aggregate.aggregate(strategy, 
-        AggregationMethod.parse(reduce_op), values, compressor=ops.compressor
+        AggregationMethod.parse(reduce_op), values, compressor=ops.default_compressor
     )
     for result, replica_values in zip(results, arrays):
         exact = expected(reduce_op, replica_values)
@@ -372,7 +372,7 @@ def test_compression_leaves_half_precision_and_integers_alone():
     halves = replica_arrays([9], tf.float16)
     ints = replica_arrays([4], tf.int64)
     values = [per_replica(strategy, halves), per_replica(strategy, ints)]
-    half, integer = replica_aggregate.aggregate(strategy, "sum", values, compressor=ops.compressor)
+    half, integer = replica_aggregate.aggregate(strategy, "sum", values, compressor=ops.default_compressor)
     # float32 holds sums of four float16 values exactly, so the result is
     # their sum rounded once to float16; bfloat16 on the way would not be.
     want = np.sum(halves, axis=0, dtype=np.float64).astype(np.float16)

@@ -131,9 +131,9 @@ def road(monkeypatch):
     )
     for name in COLLECTIVES:
         monkeypatch.setattr(tf.raw_ops, name, recorder.recording(getattr(tf.raw_ops, name)))
-    combine_fn = packing.combine_fn
+    weighted_sum_fn = packing.weighted_sum_fn
     monkeypatch.setattr(
-        packing, "combine_fn", lambda jit: recorder.recording(combine_fn(jit))
+        packing, "weighted_sum_fn", lambda jit: recorder.recording(weighted_sum_fn(jit))
     )
     monkeypatch.setattr(local, "tf", RecordingTF(recorder))
     return recorder

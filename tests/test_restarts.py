@@ -277,7 +277,7 @@ class _RecordState(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        compressor, states = self.model.optimizer.error_feedback_state()
+        compressor, states = self.model.optimizer.compressor_state()
         self.positions = [
             {key: _position(self.model, v) for key, v in state.items()} for state in states
         ]

@@ -293,7 +293,7 @@ def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, met
         # n, SUM only undoes it.
         weight = 1 if method == "mean" else N
         combined, residuals = int8_sharded_reference(
-            grads, residuals, optimizer.sharded_state.packs(range(len(sizes))), sizes, weight, chunk_size
+            grads, residuals, optimizer.shards.packs(range(len(sizes))), sizes, weight, chunk_size
         )
         if not error_feedback:
             residuals = [[np.zeros_like(e) for e in replica] for replica in residuals]
@@ -301,16 +301,16 @@ def test_int8_reduce_scatters_quantized_rows_as_a_numpy_reference(transport, met
         for variable, want in zip(variables, weights):
             np.testing.assert_allclose(variable.numpy().reshape(-1), want, rtol=0, atol=1e-6)
         if not error_feedback:
-            assert optimizer.error_feedback_state() is None
+            assert optimizer.compressor_state() is None
             continue
-        _, states = optimizer.error_feedback_state()
+        _, states = optimizer.compressor_state()
         for i, state in enumerate(states):
             copies = strategy.experimental_local_results(state["residual"].value)
             for r, copy in enumerate(copies):
                 np.testing.assert_allclose(copy.numpy().reshape(-1), residuals[r][i], rtol=0, atol=1e-6)
     # The quantized rows and the float32 weights, each half an all-reduce.
     padded = [-(-sum(-(-sizes[i] // N) for i in pack) // chunk_size) * chunk_size
-              for pack in optimizer.sharded_state.packs(range(len(sizes)))]
+              for pack in optimizer.shards.packs(range(len(sizes)))]
     wire = sum(N * p + 4 * N * p // chunk_size for p in padded)
     gathered = 4 * N * sum(-(-size // N) for size in sizes)
     assert optimizer.communication_stats()["bytes_sent"] == 3 * (wire // 2 + gathered // 2)
@@ -334,7 +334,7 @@ def test_int8_trains_as_uncompressed_and_starts_at_its_start_step(accumulation):
     elements = sum(-(-v.size // N) * N for v in model.get_weights())
     sizes = [v.size for v in model.get_weights()]
     padded = [-(-sum(-(-sizes[i] // N) for i in pack) // 512) * 512
-              for pack in model.optimizer.inner_optimizer.sharded_state.packs(range(len(sizes)))]
+              for pack in model.optimizer.inner_optimizer.shards.packs(range(len(sizes)))]
     int8 = sum(N * p + 4 * N * p // 512 for p in padded) // 2 + 2 * elements
     # A window of micro-steps ends with one all-reduce of a float32: whether
     # every replica's part is finite.
@@ -433,11 +433,11 @@ def test_saving_gathers_a_pack_at_a_time_and_loading_assigns_a_value_at_a_time(m
     strategy = tf_agn.strategies.mirrored(DEVICES, transport="local", bytes_per_pack=bytes_per_pack)
     model = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True))
     model.fit(*data(rows=BATCH), batch_size=BATCH, verbose=0)
-    optimizer, sharded = model.optimizer, model.optimizer.sharded_state
+    optimizer, sharded = model.optimizer, model.optimizer.shards
     states = {i for i, v in enumerate(optimizer.variables) if sharded.is_state(v)}
     # Each state variable's bytes as gathered: n parts, padded.
     padded = {
-        i: 4 * N * sharded.parts[sharded.index_of_state(optimizer.variables[i])] for i in states
+        i: 4 * N * sharded.part_sizes[sharded.index_of_state(optimizer.variables[i])] for i in states
     }
     events = []
     all_gather = sharding.all_gather
@@ -476,7 +476,7 @@ def test_saving_gathers_a_pack_at_a_time_and_loading_assigns_a_value_at_a_time(m
     fresh = build(strategy, lambda: tf_agn.optimizers.Adam(1e-2, shard_optimizer_state=True))
     with strategy.scope():
         fresh.optimizer.build(fresh.trainable_variables)
-    variables, fresh_sharded = fresh.optimizer.variables, fresh.optimizer.sharded_state
+    variables, fresh_sharded = fresh.optimizer.variables, fresh.optimizer.shards
 
     def holds_saved_value(i):
         index = fresh_sharded.index_of_state(variables[i])

@@ -118,7 +118,7 @@ def test_aggregate_matches_numpy(method, dtype, transport):
 def test_compression_matches_numpy(method, compression):
     strategy, ops = strategy_for(transport="collective", compression=compression)
     arrays = replica_arrays(tf.float32)
-    results = replica_aggregate.aggregate(strategy, method, distribute(strategy, arrays), compressor=ops.compressor)
+    results = replica_aggregate.aggregate(strategy, method, distribute(strategy, arrays), compressor=ops.default_compressor)
     method = AggregationMethod.parse(method)
     assert_results(results, reference(method, arrays), COMPRESSION_TOLERANCE[compression])
     assert results[0].values[0].dtype == tf.float32

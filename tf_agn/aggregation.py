@@ -65,7 +65,7 @@ class AggregationMethod(enum.Enum):
         return self.value
 
 
-def method_scale(method, dtype, num_replicas, value_scale):
+def contributor_weight(method, dtype, num_replicas, value_scale):
     """The Python factor `method` applies to the sum of `num_replicas`
     values (or replica 0's), each scaled by `value_scale`; raises ValueError
     for a MEAN or a scale of integers."""
@@ -93,11 +93,11 @@ def contributes(method, replica_id):
     return tf.equal(replica_id, 0)
 
 
-def replica_weights(method, dtype, transport, value_scale):
+def sum_weights(method, dtype, transport, value_scale):
     """Each local replica's weight in the sum over `transport` that realizes
     `method` (not NONE): a Python number, or a float32 scalar where the rank
     is a tensor (`ReplicaTransport`)."""
-    scale = method_scale(method, dtype, transport.size, value_scale)
+    scale = contributor_weight(method, dtype, transport.size, value_scale)
     weights = []
     for replica in range(len(transport.devices)):
         sends = contributes(method, transport.rank(replica))

@@ -82,12 +82,12 @@ def _configuration(compressor):
 def strategy_settings(ops, devices):
     """The `Setting`s of this worker's `ops` and replica `devices`."""
     return [
-        _method_setting("aggregation", ops.aggregation),
+        _method_setting("aggregation", ops.default_aggregation),
         Setting("bytes_per_pack", ops.bytes_per_pack, str),
-        *compression_settings(ops.compressor),
+        *compression_settings(ops.default_compressor),
         Setting(
             "transport",
-            transports.TRANSPORTS.index(ops.transport),
+            transports.TRANSPORTS.index(ops.transport_name),
             lambda code: transports.TRANSPORTS[code],
         ),
         Setting(

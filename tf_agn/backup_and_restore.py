@@ -192,7 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._task.is_chief:
             self._files.write_pointer(
                 checkpoint, epoch, step, strategy.num_replicas_in_sync, self.params.get("steps"),
-                sharded_state=resizing.sharded_positions(self.model),
+                shards=resizing.sharded_positions(self.model),
             )
         # The pointer names `checkpoint` or, if the chief has not renamed
         # it yet, `checkpoint - 1` (published before this save's barrier).

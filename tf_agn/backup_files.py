@@ -8,7 +8,7 @@ import numpy as np
 
 # The file that names the latest complete backup; written last, by the chief.
 POINTER = "latest.json"
-# 2: the pointer names the sharded state variables ("sharded_state").
+# 2: the pointer names the sharded state variables ("shards").
 _FORMAT = 2
 # Each task writes its own files: Keras's workers all write one
 # `latest.weights.h5` and clash on a shared filesystem.
@@ -63,10 +63,10 @@ class BackupFiles:
 
     def write_pointer(
         self, checkpoint, epoch, step, num_replicas_in_sync, steps_per_epoch=None,
-        sharded_state=(),
+        shards=(),
     ):
         """Publishes backup `checkpoint`, which resumes at `step` of `epoch`;
-        `sharded_state` lists the positions of sharded state variables."""
+        `shards` lists the positions of sharded state variables."""
         pointer = {
             "format": _FORMAT,
             "checkpoint": checkpoint,
@@ -75,7 +75,7 @@ class BackupFiles:
             "tasks": self._task.all_names,
             "num_replicas_in_sync": num_replicas_in_sync,
             "steps_per_epoch": steps_per_epoch,
-            "sharded_state": list(sharded_state),
+            "shards": list(shards),
         }
         _write_atomically(self._pointer, lambda f: f.write(json.dumps(pointer).encode()))
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tf_agn import compression
 from tf_agn import packing
-from tf_agn.aggregation import replica_weights
+from tf_agn.aggregation import sum_weights
 
 
 def combine_replicas(
@@ -45,7 +45,7 @@ def combine_replicas(
     ))
     if not compressed:
         return combined, states
-    weights = replica_weights(method, like[compressed[0]].dtype, transport, value_scale)
+    weights = sum_weights(method, like[compressed[0]].dtype, transport, value_scale)
     compressed_values = [[replica[i] for i in compressed] for replica in values]
     compressed_states = [
         [replica[i] for i in compressed] if states else [{} for _ in compressed]
@@ -80,7 +80,7 @@ def _combine_exactly(transport, method, values, value_scale):
     dense = [i for i in range(len(values[0])) if i not in set(sparse)]
 
     def weights_of(dtype):
-        return replica_weights(method, dtype, transport, value_scale)
+        return sum_weights(method, dtype, transport, value_scale)
 
     combined = [list(replica) for replica in values]
     for index in sparse:

@@ -80,13 +80,13 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         _check_arguments(
             bytes_per_pack, flatten_packs, transport, timeout_seconds, num_workers, worker_index
         )
-        self.aggregation = AggregationMethod.parse(aggregation)
+        self.default_aggregation = AggregationMethod.parse(aggregation)
         self.bytes_per_pack = bytes_per_pack
-        self.compressor = compression_lib.get(compression)
+        self.default_compressor = compression_lib.get(compression)
         self.jit_compile = bool(jit_compile)
         self.reduce_to_device = reduce_to_device
         self.flatten_packs = flatten_packs
-        self.transport = transport
+        self.transport_name = transport
         self.num_workers = num_workers
         self.worker_index = worker_index
         self.options = CommunicationOptions(
@@ -184,7 +184,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         merged = self.options.merge(options)
         if merged.implementation == CommunicationImplementation.AUTO:
             merged.implementation = transports.default_implementation(devices)
-        transport = self.transport
+        transport = self.transport_name
         if transport == "auto":
             transport = transports.choose_transport(devices, self.num_workers)
         if transport == "collective" and len(set(devices)) < len(devices):

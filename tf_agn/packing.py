@@ -151,7 +151,7 @@ def unflatten(flat, like, compressor=None, jit_compile=False):
 
 
 @functools.cache
-def combine_fn(jit_compile):
+def weighted_sum_fn(jit_compile):
     return tf.function(_combine, jit_compile=jit_compile, autograph=False)
 
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.aggregation import replica_weights
+from tf_agn.aggregation import sum_weights
 from tf_agn.aggregation import scale_value
 from tf_agn.combining import combine_replicas
 from tf_agn.communication import gathers
@@ -25,16 +25,16 @@ def tf_agn_ops(strategy):
 def default_aggregation(strategy):
     """The `AggregatingAllReduce`'s `aggregation`, or MEAN as stock Keras."""
     ops = tf_agn_ops(strategy)
-    return ops.aggregation if ops is not None else AggregationMethod.MEAN
+    return ops.default_aggregation if ops is not None else AggregationMethod.MEAN
 
 
 def default_compression(strategy):
     """The `AggregatingAllReduce`'s compressor, or None."""
     ops = tf_agn_ops(strategy)
-    return None if ops is None else ops.compressor
+    return None if ops is None else ops.default_compressor
 
 
-def gradient_scale():
+def keras_loss_divisor():
     """The factor that undoes Keras's division of each replica's loss by n
     (`scale_loss_for_distribution`)."""
     context = tf.distribute.get_replica_context()
@@ -240,7 +240,7 @@ def _launch_each(transport, pattern, method, value_scale, per_replica):
     for position in range(len(per_replica[0])):
         tensors = [replica[position] for replica in per_replica]
         if pattern == "reduce_scatter":
-            weights = replica_weights(method, tensors[0].dtype, transport, value_scale)
+            weights = sum_weights(method, tensors[0].dtype, transport, value_scale)
             for r, (device, weight) in enumerate(zip(transport.devices, weights)):
                 if weight != 1:
                     with tf.device(device):

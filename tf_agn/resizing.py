@@ -54,7 +54,7 @@ def sharded_positions(model):
     optimizer = model.optimizer
     if optimizer is None:
         return []
-    sharded = [found.sharded_state for found in saving.sharded_within(optimizer)]
+    sharded = [found.shards for found in saving.sharded_within(optimizer)]
     return [
         len(model.variables) + index
         for index, variable in enumerate(optimizer.variables)
@@ -103,14 +103,14 @@ def restore(model, task_arrays, pointer, num_replicas):
     if optimizer is not None:
         shapes = saving.saved_shapes(optimizer)
         within = saving.aggregating_within(optimizer)
-        summed = {id(v) for found in within for v in found.summed_state()}
+        summed = {id(v) for found in within for v in found.summed_variables()}
         averaged = {id(v) for v in optimizer.inner_optimizer.variables} if windowed else set()
         owed = {}
         for found in within + ([optimizer] if windowed else []):
             owed.update(_owed_values(found, lambda v: copies(position[id(v)]), num_replicas))
         # Which state was sharded when backed up, as the backup says: a part
         # can have the whole variable's shape (a `Dense(1)` bias's, (1,)).
-        sharded = set(pointer["sharded_state"])
+        sharded = set(pointer["shards"])
         values = [
             owed[id(v)] if id(v) in owed else _resized(
                 copies(position[id(v)]), shape, num_replicas, v.path,
@@ -167,7 +167,7 @@ def _owed_values(optimizer, copies_of, num_replicas):
     """{id(state variable): the value each new replica takes} for
     `optimizer`'s error feedback state: the old replicas' residuals, summed,
     owed in equal shares; the rest of the state as every replica held it."""
-    found = optimizer.error_feedback_state()
+    found = optimizer.compressor_state()
     if found is None:
         return {}
     compressor, states = found
@@ -208,7 +208,7 @@ def _is_float(value):
 
 
 def _warn_if_the_step_changes(optimizer, old_replicas, num_replicas):
-    methods = {found.resolved_aggregation for found in saving.aggregating_within(optimizer)}
+    methods = {found.aggregation for found in saving.aggregating_within(optimizer)}
     if isinstance(optimizer, WindowedOptimizer):
         methods.add(optimizer.aggregation)  # the commits'
     if AggregationMethod.SUM in methods:

@@ -1,7 +1,7 @@
 """Gradient accumulation on every replica: k micro-steps, one exchange.
 
 With `gradient_accumulation_steps=k` each replica sums its micro-step
-gradients locally and the k-th micro-step combines and applies the window,
+gradients locally and the k-th micro-step combines and applies their sum,
 their mean (`accumulation_reduction="mean"`) or sum ("sum").
 
 ```python
@@ -21,7 +21,7 @@ from tf_agn.finite import all_finite
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.sharded_step import apply_sharded
 from tf_agn.replica_aggregation import aggregate
-from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import keras_loss_divisor
 
 ACCUMULATION_REDUCTIONS = ("mean", "sum")
 
@@ -52,7 +52,7 @@ def check_accumulation_reduction(reduction):
 def add_accumulator(optimizer, reference_variable, method):
     """A replica-local, zero-initialized accumulator for `reference_variable`."""
     # Read across replicas (as when saved) the accumulators give their mean,
-    # all the combined window depends on, so a mid-window resume is exact.
+    # all the combined sum depends on, so a resume between micro-steps is exact.
     if method in (AggregationMethod.SUM, AggregationMethod.MEAN):
         aggregation = "mean"
     else:
@@ -75,10 +75,10 @@ def add_accumulator(optimizer, reference_variable, method):
     return variable
 
 
-def accumulate_and_apply(optimizer, grads, variables, apply_window):
+def accumulate_and_apply(optimizer, grads, variables, apply_accumulated):
     """One micro-step of gradient accumulation, in replica context.
 
-    `apply_window(grads, variables)` applies the combined window locally
+    `apply_accumulated(grads, variables)` applies the combined sum locally
     (unused where the state is sharded: `apply_sharded` does all).
     """
     # Keras' own accumulation calls `merge_call` inside a `tf.cond`, which
@@ -86,39 +86,39 @@ def accumulate_and_apply(optimizer, grads, variables, apply_window):
     steps = optimizer.gradient_accumulation_steps
     is_last = tf.equal((_compat.micro_step(optimizer) + 1) % steps, 0)
     accumulators = [_compat.accumulator_of(optimizer, v) for v in variables]
-    window = [
+    accumulated = [
         tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
     ]
     scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
 
     def accumulate():
-        for accumulator, total in zip(accumulators, window):
+        for accumulator, total in zip(accumulators, accumulated):
             accumulator.assign(total)
 
     def reset():
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
 
-    if optimizer.sharded_state is not None:
-        apply_sharded(optimizer, window, variables, scale, is_last)
+    if optimizer.shards is not None:
+        apply_sharded(optimizer, accumulated, variables, scale, is_last)
         tf.cond(is_last, reset, accumulate)
         return
     wire_scale = optimizer.wire_loss_scale()
     combined = aggregate(
-        loss_scaled(window, wire_scale),
-        optimizer.resolved_aggregation,
-        value_scale=gradient_scale() * scale,
+        loss_scaled(accumulated, wire_scale),
+        optimizer.aggregation,
+        value_scale=keras_loss_divisor() * scale,
         counter=optimizer._communication,
         when=is_last,
         **optimizer.compression_arguments(variables),
     )
     combined = loss_scaled(combined, wire_scale, inverse=True)
-    # A window that overflowed anywhere, or on the wire, is skipped whole.
+    # An accumulated sum that overflowed anywhere, or on the wire, is skipped whole.
     finite = all_finite(combined)
     optimizer._combined_finite = tf.logical_or(tf.logical_not(is_last), finite)
 
     def apply():
-        tf.cond(finite, lambda: apply_window(combined, variables), lambda: None)
+        tf.cond(finite, lambda: apply_accumulated(combined, variables), lambda: None)
         reset()
 
     tf.cond(is_last, apply, accumulate)

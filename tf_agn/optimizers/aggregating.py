@@ -17,19 +17,19 @@ from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
 from tf_agn.optimizers.communicating import Communicating
-from tf_agn.optimizers.compression_state import add_compression_state
-from tf_agn.optimizers.compression_state import check_gradients
-from tf_agn.optimizers.compression_state import check_sparse_gradients
-from tf_agn.optimizers.compression_state import compression_state_of
-from tf_agn.optimizers.compression_state import declared_sparse
+from tf_agn.optimizers.compressor_state import add_compressor_state
+from tf_agn.optimizers.compressor_state import check_gradients
+from tf_agn.optimizers.compressor_state import check_sparse_gradients
+from tf_agn.optimizers.compressor_state import compressor_state_of
+from tf_agn.optimizers.compressor_state import declared_sparse
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharded_step import apply_sharded
-from tf_agn.optimizers.sharding import ShardedState
+from tf_agn.optimizers.sharding import Shards
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import default_aggregation
-from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import keras_loss_divisor
 
 
 class Aggregating(Communicating):
@@ -106,7 +106,7 @@ class Aggregating(Communicating):
         self._loss_scale = self._combined_finite = None
 
     @property
-    def resolved_aggregation(self):
+    def aggregation(self):
         """The method in force: our own, or the strategy's default."""
         if self.aggregation_method is not None:
             return self.aggregation_method
@@ -116,10 +116,10 @@ class Aggregating(Communicating):
         if self.built:
             return
         check_strategy(self)
-        method = self.resolved_aggregation
+        method = self.aggregation
         # With NONE nothing travels, so nothing is compressed or kept.
-        compressor = None if method is AggregationMethod.NONE else self.resolved_compression
-        # An accumulated window is dense, whatever the gradients were.
+        compressor = None if method is AggregationMethod.NONE else self.compressor
+        # An accumulated sum is dense, whatever the gradients were.
         sparse = None if self.gradient_accumulation_steps else self.sparse_gradients
         agreement.check_optimizer_agreement(
             self,
@@ -130,18 +130,18 @@ class Aggregating(Communicating):
             [declared_sparse(sparse, v) for v in variables],
         )
         if self.shard_optimizer_state:
-                self._sharded = ShardedState.for_optimizer(self, variables, method, compressor)
+                self._sharded = Shards.for_optimizer(self, variables, method, compressor)
         super().build(variables)
         if self._sharded is not None:
             self._sharded.register_parts(self, variables)
         self._communication = CommunicationCounter(self)
-        self._compression_state = add_compression_state(self, variables, compressor, sparse)
+        self._compression_state = add_compressor_state(self, variables, compressor, sparse)
 
     def compression_arguments(self, variables):
         """`aggregate`'s compression arguments for the gradients of `variables`."""
         return {
-            "compressor": self.resolved_compression,
-            "state": compression_state_of(self, variables, self._compression_state),
+            "compressor": self.compressor,
+            "state": compressor_state_of(self, variables, self._compression_state),
             "step": self.iterations,
         }
 
@@ -151,7 +151,7 @@ class Aggregating(Communicating):
         accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
         return memory_stats(
             _compat.built_variables(self),
-            list(self.variables) + ([] if self._sharded is None else self._sharded.variables),
+            list(self.variables) + ([] if self._sharded is None else self._sharded.parts),
             accumulators,
             [v for state in self._compression_state for v in state.values()],
         )
@@ -161,7 +161,7 @@ class Aggregating(Communicating):
     ):
         # Keras' `build` asks for its accumulators by this name.
         if name == _compat.KERAS_ACCUMULATOR_NAME:
-            return add_accumulator(self, reference_variable, self.resolved_aggregation)
+            return add_accumulator(self, reference_variable, self.aggregation)
         if self._sharded is not None:
             return self._sharded.add_state(self, reference_variable, name or "var", initializer)
         return super().add_variable_from_reference(
@@ -199,8 +199,8 @@ class Aggregating(Communicating):
         wire_scale = self.wire_loss_scale()
         grads = aggregate(
             loss_scaled(grads, wire_scale),
-            self.resolved_aggregation,
-            value_scale=gradient_scale(),
+            self.aggregation,
+            value_scale=keras_loss_divisor(),
             counter=self._communication,
             **arguments,
         )
@@ -239,7 +239,7 @@ class Aggregating(Communicating):
         return self._loss_scale if self._travels_loss_scaled() else None
 
     def _travels_loss_scaled(self):
-        compressor = self.resolved_compression
+        compressor = self.compressor
         return compressor is not None and compressor.travels_loss_scaled
 
     def apply_loss_scaled(self, apply, loss_scale):
@@ -266,11 +266,11 @@ class Aggregating(Communicating):
             saving.load(self, store)
 
     @property
-    def sharded_state(self):
-        """The `ShardedState` of a built optimizer whose state is sharded, else None."""
+    def shards(self):
+        """The `Shards` of a built optimizer whose state is sharded, else None."""
         return self._sharded
 
-    def summed_state(self):
+    def summed_variables(self):
         """The variables whose sum over the replicas training depends on."""
         return _compat.accumulators(self) if self.gradient_accumulation_steps else []
 

@@ -14,7 +14,7 @@ class Communicating:
     """
 
     @property
-    def resolved_compression(self):
+    def compressor(self):
         """`compression`, or the strategy's `tf_agn.AggregatingAllReduce`'s."""
         if self.compression is not None:
             return self.compression
@@ -29,7 +29,7 @@ class Communicating:
         """Whether every replica's `grads` are finite (a boolean tensor)."""
         return all_replicas_finite(grads, self._communication)
 
-    def error_feedback_state(self):
+    def compressor_state(self):
         """(compressor, its per-variable state dicts), or None without state."""
         states = [state for state in self._compression_state if state]
-        return (self.resolved_compression, states) if states else None
+        return (self.compressor, states) if states else None

@@ -7,7 +7,7 @@ from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.aggregating import Aggregating
-from tf_agn.optimizers.compression_state import check_sparse_gradients
+from tf_agn.optimizers.compressor_state import check_sparse_gradients
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 from tf_agn.optimizers.wrapping import check_wrappable
 
@@ -97,7 +97,7 @@ class DistributedOptimizer(WrappingOptimizer):
     @property
     def aggregation(self):
         """The `AggregationMethod` in force."""
-        return self.inner_optimizer.resolved_aggregation
+        return self.inner_optimizer.aggregation
 
     def communication_stats(self):
         """See `tf_agn.optimizers.Aggregating.communication_stats`."""

@@ -22,7 +22,7 @@ from tf_agn import _compat
 
 def aggregating_within(optimizer):
     """The `Aggregating` optimizers that `optimizer` is or wraps."""
-    found = [optimizer] if hasattr(optimizer, "sharded_state") else []
+    found = [optimizer] if hasattr(optimizer, "shards") else []
     for name in ("inner_optimizer", "outer_optimizer"):
         nested = getattr(optimizer, name, None)
         if nested is not None:
@@ -32,7 +32,7 @@ def aggregating_within(optimizer):
 
 def sharded_within(optimizer):
     """The optimizers with sharded state that `optimizer` is or wraps."""
-    return [found for found in aggregating_within(optimizer) if found.sharded_state]
+    return [found for found in aggregating_within(optimizer) if found.shards]
 
 
 def each_saved_value(optimizer):
@@ -43,8 +43,8 @@ def each_saved_value(optimizer):
     """
     gathering = {}
     for found in sharded_within(optimizer):
-        values = found.sharded_state.whole_values(found)
-        gathering.update((id(s), values) for s in found.sharded_state.states(found))
+        values = found.shards.whole_values(found)
+        gathering.update((id(s), values) for s in found.shards.states(found))
     # Packs of different dtypes interleave: values gathered early wait here.
     waiting = {}
     for variable in optimizer.variables:
@@ -67,7 +67,7 @@ def saved_shapes(optimizer):
     """The shapes of `saved_values`: the unsharded optimizer's."""
     by_id = {}
     for found in sharded_within(optimizer):
-        by_id.update(found.sharded_state.whole_shapes(found))
+        by_id.update(found.shards.whole_shapes(found))
     return [by_id.get(id(v), tuple(v.shape)) for v in optimizer.variables]
 
 
@@ -98,7 +98,7 @@ def load_values(optimizer, values):
 
     loaded = set()
     for found in sharded_within(optimizer):
-        loaded.update(found.sharded_state.assign_whole_values(found, value_of))
+        loaded.update(found.shards.assign_whole_values(found, value_of))
     for variable in variables:
         if id(variable) not in loaded:
             variable.assign(value_of(variable))

@@ -5,16 +5,16 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import packing
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.aggregation import method_scale
+from tf_agn.aggregation import contributor_weight
 from tf_agn.compression import compresses
 from tf_agn.finite import all_finite
-from tf_agn.optimizers.compression_state import check_gradients
+from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import all_to_all
-from tf_agn.replica_aggregation import gradient_scale
+from tf_agn.replica_aggregation import keras_loss_divisor
 from tf_agn.replica_aggregation import reduce_scatter
 
 
@@ -25,7 +25,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     Python number `value_scale` first; with `when`, a boolean tensor alike
     on every replica, nothing travels or changes where it is false.
     """
-    state = optimizer.sharded_state
+    state = optimizer.shards
     # Kept by position among the variables built, never in this call.
     indices = [state.index_of(v) for v in variables]
     rank = tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -47,7 +47,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     # {pattern: [bytes, condition]}; the weights' all-gather is half an
     # all-reduce's volume.
     traffic = {"all_gather": [sum(
-        state.parts[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
+        state.part_sizes[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
         for i, v in zip(indices, variables)
     ), None]}
     new_residuals = {}
@@ -61,7 +61,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
         )
         for pattern, (nbytes, condition) in sent.items():
             traffic.setdefault(pattern, [0, condition])[0] += nbytes
-        sizes = [state.parts[indices[p]] for p in pack]
+        sizes = [state.part_sizes[indices[p]] for p in pack]
         for p, part in zip(pack, tf.split(summed, sizes)):
             combined[p] = part
         if error is not None:
@@ -71,7 +71,7 @@ def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
     combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when)
     if when is not None or optimizer.checks_combined_finite():
         when = _where_finite(optimizer, combined, when)
-    parts = state.variables_at(indices)
+    parts = state.parts_at(indices)
 
     def step():
         for variable, part, index in zip(variables, parts, indices):
@@ -120,16 +120,16 @@ def _packs(state, indices, positions):
 def _part_of_sparse(optimizer, grad, index, rank, value_scale, when):
     """This replica's part of the replicas' combined sparse `grad`."""
     # Repeated indices are kept: Keras's rules treat slices one by one.
-    state = optimizer.sharded_state
+    state = optimizer.shards
     (summed,) = aggregate(
-        [grad], optimizer.resolved_aggregation,
-        value_scale=gradient_scale() * value_scale,
+        [grad], optimizer.aggregation,
+        value_scale=keras_loss_divisor() * value_scale,
         counter=optimizer._communication, when=when,
     )
     values = tf.reshape(summed.values, [tf.shape(summed.values)[0], -1])
     row_length = tf.shape(values, out_type=tf.int64)[1]
     columns = tf.range(row_length, dtype=tf.int64)
-    part = state.parts[index]
+    part = state.part_sizes[index]
     flat = tf.cast(summed.indices, tf.int64)[:, None] * row_length + columns[None, :]
     flat = tf.reshape(flat, [-1]) - tf.cast(rank, tf.int64) * part
     mine = tf.logical_and(flat >= 0, flat < part)
@@ -146,15 +146,15 @@ def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
     Returns:
         `(part, new residual rows or None, {pattern: (bytes, condition)})`.
     """
-    compressor, method = arguments["compressor"], optimizer.resolved_aggregation
-    scale = gradient_scale() * value_scale
+    compressor, method = arguments["compressor"], optimizer.aggregation
+    scale = keras_loss_divisor() * value_scale
     num_replicas, length = joined.shape
     exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
     if not compresses(compressor, joined):
         (part,) = reduce_scatter([joined], method, scale, when)
         return part, None, {"reduce_scatter": (exact_bytes, None)}
     # Compressed rows travel weighted in float32, as on every path.
-    weighted = packing.scaled(joined, method_scale(method, joined.dtype, num_replicas, scale))
+    weighted = packing.scaled(joined, contributor_weight(method, joined.dtype, num_replicas, scale))
     wire, error = compressor.encode_rows(weighted, residual)
     (pattern,) = compressor.patterns["reduce_scatter"]
     sent = compressor.wire_bytes([joined], num_replicas) // 2
@@ -233,7 +233,7 @@ def _map_values(part, function):
 def _assign_gathered(state, gathered, variables, indices):
     """Every replica's parts, `all_gather`ed per pack, into `variables`."""
     for pack, whole_pack in gathered:
-        sizes = [state.parts[indices[p]] for p in pack]
+        sizes = [state.part_sizes[indices[p]] for p in pack]
         columns = tf.split(tf.reshape(whole_pack, [state.num_replicas, -1]), sizes, 1)
         for p, column in zip(pack, columns):
             whole = tf.reshape(column, [-1])[: state.sizes[indices[p]]]

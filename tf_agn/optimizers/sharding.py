@@ -82,20 +82,21 @@ def check_shardable(optimizer, method, compressor):
         )
 
 
-class ShardedState:
-    """Each trainable variable's part on this replica, and the sharded step."""
+class Shards:
+    """How each trainable variable is split into one part per replica: the
+    sizes, this replica's scratch `parts`, and the state kept per part."""
 
-    def __init__(self, optimizer, variables, num_replicas, bytes_per_pack):
+    def __init__(self, variables, num_replicas, bytes_per_pack):
         self.num_replicas = num_replicas
         self.sizes = [int(np.prod(v.shape)) for v in variables]
-        self.parts = [-(-size // num_replicas) for size in self.sizes]
+        self.part_sizes = [-(-size // num_replicas) for size in self.sizes]
         # Scratch parts, refreshed from the weights every step so that weights
         # set from outside (loading, `set_weights`) are what it updates.
-        self.variables = [
+        self.parts = [
             keras.Variable(
                 tf.zeros([part], v.dtype), trainable=False, name=v.name, aggregation="none"
             )
-            for v, part in zip(variables, self.parts)
+            for v, part in zip(variables, self.part_sizes)
         ]
         self._index = {id(v): i for i, v in enumerate(variables)}
         self._dtypes = [tf.as_dtype(v.dtype) for v in variables]
@@ -105,19 +106,16 @@ class ShardedState:
 
     @classmethod
     def for_optimizer(cls, optimizer, variables, method, compressor):
-        """The sharded state of `optimizer`, or None with one replica."""
+        """The `Shards` of `optimizer`, or None with one replica."""
         check_shardable(optimizer, method, compressor)
         strategy = _compat.creation_strategy(optimizer)
         if strategy.num_replicas_in_sync == 1:
             return None
-        return cls(
-            optimizer, variables, strategy.num_replicas_in_sync,
-            tf_agn_ops(strategy).bytes_per_pack,
-        )
+        return cls(variables, strategy.num_replicas_in_sync, tf_agn_ops(strategy).bytes_per_pack)
 
     def register_parts(self, optimizer, variables):
         """Makes `optimizer`'s `update_step` find a variable's state by its part."""
-        for variable, part in zip(variables, self.variables):
+        for variable, part in zip(variables, self.parts):
             _compat.register_variable_alias(optimizer, part, variable)
 
     def index_of(self, variable):
@@ -126,14 +124,14 @@ class ShardedState:
 
     def part_of(self, variable):
         """The scratch variable of `variable`'s part."""
-        return self.variables[self.index_of(variable)]
+        return self.parts[self.index_of(variable)]
 
-    def variables_at(self, indices):
-        return [self.variables[i] for i in indices]
+    def parts_at(self, indices):
+        return [self.parts[i] for i in indices]
 
     def packs(self, indices):
         """`tf_agn.packing.plan_packs` of the variables at `indices`."""
-        sizes = [(self._dtypes[i], self.parts[i] * self.num_replicas) for i in indices]
+        sizes = [(self._dtypes[i], self.part_sizes[i] * self.num_replicas) for i in indices]
         return packing.plan_packs(sizes, self._bytes_per_pack)
 
     def add_state(self, optimizer, variable, name, initializer):
@@ -220,7 +218,7 @@ class ShardedState:
         return {id(s) for s in states}
 
     def _part(self, state):
-        return self.parts[self.index_of_state(state)]
+        return self.part_sizes[self.index_of_state(state)]
 
     def states(self, optimizer):
         """`optimizer`'s sharded state variables, in `variables`' order."""
@@ -229,8 +227,8 @@ class ShardedState:
     def rows(self, tensor, index):
         """`tensor` (of trainable variable `index`), flat and padded, as n rows."""
         flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
-        padding = self.parts[index] * self.num_replicas - self.sizes[index]
-        return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.parts[index]])
+        padding = self.part_sizes[index] * self.num_replicas - self.sizes[index]
+        return tf.reshape(tf.pad(flat, [[0, padding]]), [self.num_replicas, self.part_sizes[index]])
 
 
 def _per_replica(strategy, local_values):

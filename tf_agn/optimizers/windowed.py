@@ -15,7 +15,7 @@ from tf_agn.memory import memory_stats
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.commit_rules import CommitRules
 from tf_agn.optimizers.communicating import Communicating
-from tf_agn.optimizers.compression_state import add_compression_state
+from tf_agn.optimizers.compressor_state import add_compressor_state
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 from tf_agn.optimizers.wrapping import check_wrappable
 from tf_agn.replica_aggregation import aggregate
@@ -110,7 +110,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         agreement.check_optimizer_agreement(
             self,
             self.aggregation,
-            self.resolved_compression,
+            self.compressor,
             ("local_steps", self.local_steps),
             var_list,
         )
@@ -124,7 +124,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         ]
         self.outer_optimizer.build(self._centers)
         self._communication = CommunicationCounter(self)
-        self._compression_state = add_compression_state(self, var_list, self.resolved_compression)
+        self._compression_state = add_compressor_state(self, var_list, self.compressor)
 
     @property
     def variables(self):
@@ -181,7 +181,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         combined = aggregate(
             deltas,
             self.aggregation,
-            compressor=self.resolved_compression,
+            compressor=self.compressor,
             state=[self._compression_state[i] for i in indices],
             step=self.outer_optimizer.iterations,
             counter=self._communication,

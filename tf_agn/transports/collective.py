@@ -57,37 +57,40 @@ class CollectiveTransport:
 
         return run
 
-    def all_reduce(self, packs, weights=None, cast=None):
-        """Every replica's pack, weighted and summed, tensor by tensor.
+    def all_reduce(self, tensors, weights=None, cast=None):
+        """Every replica's tensors, weighted and summed, tensor by tensor.
 
         Args:
-            packs: for each local replica, its list of tensors of one dtype.
+            tensors: for each local replica, its list of tensors of one
+                dtype (one pack).
             weights: for each local replica, the Python number its tensors
                 are multiplied by (0: adds nothing); by default 1.
-            cast: None, or a `tf_agn.compression.Compressor` whose wire
-                dtype the values travel and are summed in.
+            cast: None, or a `tf_agn.compression.Cast` whose wire dtype
+                the values travel and are summed in.
 
         Returns:
             For each local replica, the list of summed tensors.
         """
         results = []
-        for replica, (pack, weight) in enumerate(zip(packs, weights or [1] * len(packs))):
+        weights = weights or [1] * len(tensors)
+        for replica, (replica_tensors, weight) in enumerate(zip(tensors, weights)):
             device = self.devices[replica]
             jit = packing.use_xla(self.jit_compile, device)
             with tf.device(device):
                 if weight == 0:
                     # Zeros, not a broadcast: broadcast ops take no ordering
                     # token, and unordered collectives can deadlock NCCL.
-                    dtype = pack[0].dtype if cast is None else cast.wire_dtype(pack[0].dtype)
-                    flat = tf.zeros([_num_elements(pack)], dtype)
+                    dtype = replica_tensors[0].dtype
+                    dtype = dtype if cast is None else cast.wire_dtype(dtype)
+                    flat = tf.zeros([_num_elements(replica_tensors)], dtype)
                 else:
-                    flat = packing.flatten(pack, weight, cast, jit_compile=jit)
+                    flat = packing.flatten(replica_tensors, weight, cast, jit_compile=jit)
             summed = self.group.launch(
                 tf.raw_ops.CollectiveReduceV2, self.replicas[replica], flat, self.options,
                 merge_op="Add", final_op="Id",
             )
             with tf.device(device):
-                results.append(packing.unflatten(summed, pack, cast, jit_compile=jit))
+                results.append(packing.unflatten(summed, replica_tensors, cast, jit_compile=jit))
         return results
 
     def reduce_scatter(self, tensors, sum_parts=None):

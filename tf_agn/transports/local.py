@@ -40,23 +40,23 @@ class LocalTransport:
         del key
         return function
 
-    def all_reduce(self, packs, weights=None, cast=None):
+    def all_reduce(self, tensors, weights=None, cast=None):
         """As `CollectiveTransport.all_reduce`; the replicas that add
         something share one weight, and the sum is in at least float32."""
-        weights = weights or [1] * len(packs)
+        weights = weights or [1] * len(tensors)
         replicas = [r for r, weight in enumerate(weights) if weight != 0]
         scale = weights[replicas[0]]
         # Only replica 0's tensors travel: no copy.
         device = self.devices[0] if len(replicas) < self.size else self.reduce_device
-        like = packs[0]
+        like = tensors[0]
         dtype = like[0].dtype
         flatten = self._flatten(like)
         # A cast travels weighted, as on every transport; other values are
         # weighted after the sum.
         sent, summed = (1, scale) if cast is None else (scale, 1)
-        parts = [self._send(packs[r], self.devices[r], flatten, cast, sent) for r in replicas]
+        parts = [self._send(tensors[r], self.devices[r], flatten, cast, sent) for r in replicas]
         with tf.device(device):
-            reduced = packing.combine_fn(self._jit(device))(parts, summed, dtype, cast)
+            reduced = packing.weighted_sum_fn(self._jit(device))(parts, summed, dtype, cast)
         if not flatten:
             return [[placement.on(d, t) for t in reduced] for d in self.devices]
         # Each replica splits its own copy: no copy per tensor.

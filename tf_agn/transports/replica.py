@@ -29,16 +29,16 @@ class ReplicaTransport:
         del replica  # Always 0: this replica.
         return self.context.replica_id_in_sync_group
 
-    def all_reduce(self, packs, weights=None, cast=None):
+    def all_reduce(self, tensors, weights=None, cast=None):
         """As `CollectiveTransport.all_reduce`; `weights[0]` may be a tensor."""
-        (pack,) = packs
+        (replica_tensors,) = tensors
         weight = 1 if weights is None else weights[0]
-        values = [scale_value(tensor, weight) for tensor in pack]
+        values = [scale_value(tensor, weight) for tensor in replica_tensors]
         if cast is not None:
             values = [cast.compress(tensor) for tensor in values]
         summed = self.context.all_reduce(tf.distribute.ReduceOp.SUM, values)
         if cast is not None:
-            summed = [cast.decompress(t, like.dtype) for t, like in zip(summed, pack)]
+            summed = [cast.decompress(t, like.dtype) for t, like in zip(summed, replica_tensors)]
         return [summed]
 
     def reduce_scatter(self, tensors, sum_parts=None):

@@ -58,7 +58,7 @@ def declared_sparse(patterns, variable):
     return any(re.search(pattern, variable.path) for pattern in patterns or ())
 
 
-def add_compression_state(optimizer, variables, compressor, sparse_gradients=None):
+def add_compressor_state(optimizer, variables, compressor, sparse_gradients=None):
     """Makes `compressor`'s per-replica state for each of `variables`.
 
     Returns:
@@ -93,7 +93,7 @@ def add_compression_state(optimizer, variables, compressor, sparse_gradients=Non
     return states
 
 
-def compression_state_of(optimizer, variables, states):
+def compressor_state_of(optimizer, variables, states):
     """The entries of `states` for `variables`, in their order."""
     return [states[_compat.variable_index(optimizer, v)] for v in variables]
 
