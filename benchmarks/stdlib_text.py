@@ -207,7 +207,8 @@ def heldout_windows(text, context=CONTEXT, num_windows=HELDOUT_WINDOWS):
     """`num_windows` windows evenly spaced over `text` (the held-out bytes):
     `(inputs, targets)`, int32 numpy arrays of shape `(num_windows, context)`.
     """
-    starts = np.linspace(0, text.size - context - 1, num_windows).astype(np.int64)
+    last = text.size - context - 1
+    starts = np.arange(num_windows, dtype=np.int64) * last // max(num_windows - 1, 1)
     span = text[starts[:, None] + np.arange(context + 1)].astype(np.int32)
     return span[:, :-1], span[:, 1:]
 
@@ -333,6 +334,7 @@ def calibrate(train, heldout):
         steps_per_epoch=FLAGS.eval_every,
         epochs=FLAGS.max_steps // FLAGS.eval_every,
         callbacks=[times, StopAtLoss(TARGET_LOSS)],
+        shuffle=False,  # The windows are already random; Keras warns otherwise.
         verbose=0,
     )
     print(
