@@ -12,23 +12,27 @@ when the SHA-256 of its path, modulo 100, is below `HELDOUT_PERCENT`.
 Each line of a list is `path<TAB>bytes<TAB>sha256` as Python 3.11.7 has
 the file. Contents differ a little between Python versions: a file whose
 checksum differs here is read as it is and counted, and `load_split`
-prints how many differ; a listed file that is missing raises. Figures
-are therefore comparable between runs on one interpreter, and close
-between versions.
+prints how many differ; a listed file that is missing raises. The text
+is therefore the same on every run of one interpreter and close between
+versions: Python 3.12.1 differs in 194 of the 656 training files and 4
+of the 22 held-out ones, which moves the unigram figure by 0.001.
 
 Training batches are windows of `context + 1` bytes at random offsets of
 the training files' concatenation (windows may span two files): the
 inputs are the first `context` bytes, the targets the last `context`.
 The loss is the mean cross-entropy in nats per byte over every position
-of a window. The module's defaults are a configuration calibrated with
-plain `model.fit` (Adam, one process on one core) to reach
-`TARGET_LOSS`, 0.4 ln 256 nats per byte, on the held-out windows.
+of a window. The module's defaults are the smallest configuration found
+that reaches `TARGET_LOSS`, 0.4 ln 256 nats per byte, on the held-out
+windows reliably with plain `model.fit` (Adam, one process on one core):
+in 275 to 325 steps over 3 seeds, about 20 ms a step. The byte
+frequencies of the training files give 3.29 nats per byte on the
+held-out files.
 
 Usage:
 
     python benchmarks/stdlib_text.py             # data summary, unigram
     taskset -c 0 python benchmarks/stdlib_text.py --calibrate
-    python benchmarks/stdlib_text.py \\
+    python benchmarks/stdlib_text.py \
         --write_lists=$(pyenv root)/versions/3.12.1/lib/python3.12
 """
 
@@ -59,9 +63,9 @@ HELDOUT_PERCENT = 4
 # Calibrated defaults (see the module docstring).
 CONTEXT = 64
 BATCH_SIZE = 32
-D_MODEL = 64
-NUM_LAYERS = 2
-NUM_HEADS = 4
+D_MODEL = 32
+NUM_LAYERS = 1
+NUM_HEADS = 2
 LEARNING_RATE = 3e-3
 HELDOUT_WINDOWS = 512
 TARGET_LOSS = 0.4 * math.log(256)
@@ -282,7 +286,7 @@ flags.DEFINE_string(
     "write_lists", None, "Rewrite the lists from this interpreter's standard "
     "library and this other one's (Python 3.12's) folder."
 )
-flags.DEFINE_bool("calibrate", False, "Train with model.fit until TARGET_LOSS.")
+flags.DEFINE_bool("calibrate", False, "Train with model.fit; print the loss curve.")
 flags.DEFINE_integer("context", CONTEXT, "Bytes of input per window.")
 flags.DEFINE_integer("batch_size", BATCH_SIZE, "Windows per step.")
 flags.DEFINE_integer("d_model", D_MODEL, "Model width.")
@@ -290,8 +294,8 @@ flags.DEFINE_integer("num_layers", NUM_LAYERS, "Transformer blocks.")
 flags.DEFINE_integer("num_heads", NUM_HEADS, "Attention heads.")
 flags.DEFINE_float("learning_rate", LEARNING_RATE, "Adam's learning rate.")
 flags.DEFINE_integer("heldout_windows", HELDOUT_WINDOWS, "Held-out windows.")
-flags.DEFINE_integer("eval_every", 100, "Steps between held-out evaluations.")
-flags.DEFINE_integer("max_steps", 3000, "Steps after which calibration stops.")
+flags.DEFINE_integer("eval_every", 25, "Steps between held-out evaluations.")
+flags.DEFINE_integer("max_steps", 1000, "Training steps of the calibration.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the windows.")
 
 
@@ -309,21 +313,10 @@ class StepTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self.start)
 
 
-class StopAtLoss(keras.callbacks.Callback):
-    """Stops training once the validation loss is at most `target`."""
-
-    def __init__(self, target):
-        super().__init__()
-        self.target = target
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs["val_loss"] <= self.target:
-            self.model.stop_training = True
-
-
 def calibrate(train, heldout):
-    """Trains with `model.fit` until the held-out loss reaches TARGET_LOSS
-    or `--max_steps`; prints the loss curve and the time per step."""
+    """Trains with `model.fit` for `--max_steps`; prints the held-out loss
+    curve, the first step at which it reached TARGET_LOSS, and the time per
+    step."""
     keras.utils.set_random_seed(FLAGS.seed)
     model = byte_transformer(FLAGS.context, FLAGS.d_model, FLAGS.num_layers, FLAGS.num_heads)
     compile_for_bytes(model, keras.optimizers.Adam(FLAGS.learning_rate))
@@ -333,7 +326,7 @@ def calibrate(train, heldout):
         validation_data=heldout_windows(heldout, FLAGS.context, FLAGS.heldout_windows),
         steps_per_epoch=FLAGS.eval_every,
         epochs=FLAGS.max_steps // FLAGS.eval_every,
-        callbacks=[times, StopAtLoss(TARGET_LOSS)],
+        callbacks=[times],
         shuffle=False,  # The windows are already random; Keras warns otherwise.
         verbose=0,
     )
@@ -349,13 +342,16 @@ def calibrate(train, heldout):
             f"  step {(epoch + 1) * FLAGS.eval_every:5d}: train {loss:.3f}, "
             f"held-out {val_loss:.3f} nats/byte, {1e3 * seconds / FLAGS.eval_every:.1f} ms/step"
         )
-    steps = len(times.seconds) * FLAGS.eval_every
-    reached = history.history["val_loss"][-1] <= TARGET_LOSS
+    reached = [
+        (epoch + 1) * FLAGS.eval_every
+        for epoch, loss in enumerate(history.history["val_loss"])
+        if loss <= TARGET_LOSS
+    ]
     median = 1e3 * np.median(times.seconds[1:] or times.seconds) / FLAGS.eval_every
     print(
-        f"  {'reached' if reached else 'did not reach'} {TARGET_LOSS:.3f} after {steps} "
-        f"steps; median {median:.1f} ms/step (first epoch, with tracing, left out); "
-        f"training {sum(times.seconds):.0f} s"
+        f"  held-out {TARGET_LOSS:.3f} first reached at step "
+        f"{reached[0] if reached else None}; median {median:.1f} ms/step (the first "
+        f"{FLAGS.eval_every} steps, with tracing, left out); training {sum(times.seconds):.0f} s"
     )
 
 
