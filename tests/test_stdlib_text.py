@@ -46,11 +46,15 @@ def test_split_is_the_listed_files_bytes_in_order(heldout):
     assert heldout.dtype == np.uint8 and heldout.tobytes() == expected
 
 
-def test_a_missing_file_is_named(tmp_path):
+def test_bad_input_is_named(tmp_path, heldout):
     with pytest.raises(FileNotFoundError, match="argparse.py"):
         stdlib_text.load_split("heldout", stdlib=str(tmp_path))
     with pytest.raises(ValueError, match="'validation'"):
         stdlib_text.read_list("validation")
+    with pytest.raises(ValueError, match="got 2"):
+        stdlib_text.train_dataset(heldout, num_workers=2, worker_index=2)
+    with pytest.raises(ValueError, match="num_heads=3, got 32"):
+        stdlib_text.byte_transformer(d_model=32, num_heads=3)
 
 
 def test_training_windows_are_the_bytes_and_their_next_bytes(heldout):
