@@ -39,6 +39,7 @@ Usage:
 import hashlib
 import math
 import os
+import pathlib
 import sys
 import sysconfig
 import time
@@ -98,7 +99,7 @@ def write_lists(other_stdlib, stdlib=STDLIB):
         with open(list_path, "w") as listing:
             for path in files:
                 if is_heldout(path) == (split == "heldout"):
-                    data = open(os.path.join(stdlib, path), "rb").read()
+                    data = pathlib.Path(stdlib, path).read_bytes()
                     digest = hashlib.sha256(data).hexdigest()
                     listing.write(f"{path}\t{len(data)}\t{digest}\n")
 
@@ -134,13 +135,13 @@ def load_split(split, stdlib=STDLIB):
     contents = []
     differing = 0
     for path, _, digest in read_list(split):
-        full_path = os.path.join(stdlib, path)
-        if not os.path.isfile(full_path):
+        full_path = pathlib.Path(stdlib, path)
+        if not full_path.is_file():
             raise FileNotFoundError(
                 f"{path}, listed in {LISTS[split]}, is not in {stdlib}: every "
                 "listed file must exist in both Python 3.11 and 3.12."
             )
-        data = open(full_path, "rb").read()
+        data = full_path.read_bytes()
         differing += hashlib.sha256(data).hexdigest() != digest
         contents.append(data)
     if differing:
@@ -164,10 +165,11 @@ def train_dataset(text, context=CONTEXT, batch_size=BATCH_SIZE, seed=0,
                   num_workers=1, worker_index=0):
     """An endless, deterministic dataset of training batches.
 
-    Window `i` of one global stream starts at an offset drawn from
-    `(seed, i)`; worker `w` of `num_workers` takes windows `w`,
-    `w + num_workers`, ..., so the workers' `k`-th batches together are
-    the `k`-th batch of `batch_size * num_workers` of a single process.
+    The `k`-th batches of all workers together are `batch_size *
+    num_workers` windows at offsets drawn from `(seed, k)`; worker `w` of
+    `num_workers` takes windows `w`, `w + num_workers`, ... of them. So
+    they are the `k`-th batch of a single process with `batch_size *
+    num_workers` windows.
 
     Args:
         text: uint8 numpy array, e.g. `load_split("train")`.
@@ -179,6 +181,9 @@ def train_dataset(text, context=CONTEXT, batch_size=BATCH_SIZE, seed=0,
     Returns:
         A `tf.data.Dataset` of `(inputs, targets)`, int32 of shape
         `(batch_size, context)`; `targets` are `inputs` shifted by one byte.
+
+    Raises:
+        ValueError: if `worker_index` is not in `[0, num_workers)`.
     """
     if not 0 <= worker_index < num_workers:
         raise ValueError(
@@ -187,24 +192,16 @@ def train_dataset(text, context=CONTEXT, batch_size=BATCH_SIZE, seed=0,
     text = tf.constant(text)
     num_offsets = int(text.shape[0]) - context
 
-    def offset(index):
-        return tf.random.stateless_uniform(
-            [], seed=[seed, index], maxval=num_offsets, dtype=tf.int64
-        )
-
-    def windows(offsets):
+    def windows(step):
+        offsets = tf.random.stateless_uniform(
+            [batch_size * num_workers], seed=[seed, step], maxval=num_offsets,
+            dtype=tf.int64,
+        )[worker_index::num_workers]
         span = tf.gather(text, offsets[:, None] + tf.range(context + 1, dtype=tf.int64))
         span = tf.cast(span, tf.int32)
         return span[:, :-1], span[:, 1:]
 
-    return (
-        tf.data.Dataset.counter()
-        .shard(num_workers, worker_index)
-        .map(offset)
-        .batch(batch_size)
-        .map(windows)
-        .prefetch(1)
-    )
+    return tf.data.Dataset.counter().map(windows).prefetch(1)
 
 
 def heldout_windows(text, context=CONTEXT, num_windows=HELDOUT_WINDOWS):
