@@ -24,7 +24,7 @@ The loss is the mean cross-entropy in nats per byte over every position
 of a window. The module's defaults are the smallest configuration found
 that reaches `TARGET_LOSS`, 0.4 ln 256 nats per byte, on the held-out
 windows reliably with plain `model.fit` (Adam, one process on one core):
-in 275 to 325 steps over 3 seeds, about 20 ms a step. The byte
+in 250 to 300 steps over 3 seeds, about 20 ms a step. The byte
 frequencies of the training files give 3.29 nats per byte on the
 held-out files.
 
