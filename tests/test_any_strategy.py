@@ -240,16 +240,16 @@ class SimulatedReplicas:
     def rank(self, replica):
         return tf.constant(replica)
 
-    def all_reduce(self, packs, weights=None, cast=None):
+    def all_reduce(self, tensors, weights=None, cast=None):
         weights = weights or [1.0] * self.size
         wire = [
-            [v * tf.cast(w, v.dtype) for v in pack] for pack, w in zip(packs, weights)
+            [v * tf.cast(w, v.dtype) for v in pack] for pack, w in zip(tensors, weights)
         ]
         if cast is not None:
             wire = [[cast.compress(v) for v in pack] for pack in wire]
         summed = [tf.add_n(list(position)) for position in zip(*wire)]
         if cast is not None:
-            summed = [cast.decompress(s, like.dtype) for s, like in zip(summed, packs[0])]
+            summed = [cast.decompress(s, like.dtype) for s, like in zip(summed, tensors[0])]
         return [summed] * self.size
 
     def all_gather(self, tensors):
@@ -258,8 +258,9 @@ class SimulatedReplicas:
     def all_to_all(self, tensors):
         return [tf.stack([t[j] for t in tensors]) for j in range(self.size)]
 
-    def reduce_scatter(self, tensors, sum_parts=None):
+    def reduce_scatter(self, tensors, weights=None, sum_parts=None):
         reduce = sum_parts or (lambda rows: tf.reduce_sum(rows, 0))
+        tensors = [t * tf.cast(w, t.dtype) for t, w in zip(tensors, weights)] if weights else tensors
         return [reduce(rows) for rows in self.all_to_all(tensors)]
 
 

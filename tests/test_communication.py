@@ -171,13 +171,13 @@ class RecordingTransport(LocalTransport):
     def _record(self, name, tensors):
         self.sent[name] += sum(t.shape.num_elements() * t.dtype.size for t in tensors)
 
-    def all_reduce(self, packs, weights=None, cast=None):
-        self._record("all_reduce", packs[0])
-        return super().all_reduce(packs, weights, cast)
+    def all_reduce(self, tensors, weights=None, cast=None):
+        self._record("all_reduce", tensors[0])
+        return super().all_reduce(tensors, weights, cast)
 
-    def reduce_scatter(self, tensors, sum_parts=None):
+    def reduce_scatter(self, tensors, weights=None, sum_parts=None):
         self._record("reduce_scatter", tensors[:1])
-        return super().reduce_scatter(tensors, sum_parts)
+        return super().reduce_scatter(tensors, weights, sum_parts)
 
     def all_gather(self, tensors):
         self._record("all_gather", tensors[:1])

@@ -117,3 +117,17 @@ def scale_value(value, scale):
             value.dense_shape,
         )
     return value * tf.cast(scale, value.dtype)
+
+
+def weighted(tensors, weights, devices):
+    """Each local replica's tensor times its weight (None: all 1), on its device."""
+    if weights is None:
+        return list(tensors)
+    result = []
+    for tensor, weight, device in zip(tensors, weights, devices):
+        if isinstance(weight, (int, float)) and weight == 1:
+            result.append(tensor)
+            continue
+        with tf.device(device):
+            result.append(scale_value(tensor, weight))
+    return result

@@ -11,13 +11,15 @@ from tf_agn.aggregation import sum_weights
 
 
 def combine_replicas(
-    transport, method, values, value_scale=1, compressor=None, states=None, step=None
+    transport, method, values, value_scale=1, compressor=None, states=None, step=None,
+    pattern="all_reduce",
 ):
-    """Combines every local replica's values with `method`.
+    """Combines every local replica's values with `method` by `pattern`.
 
-    Sparse values (`tf.IndexedSlices`) are gathered; dense values travel in
-    packs of one dtype, each all-reduced; the values `compressor` acts on
-    travel by its `combine`, with its state.
+    An all-reduce gathers sparse values (`tf.IndexedSlices`); dense values
+    travel in packs of one dtype, each all-reduced; the values `compressor`
+    acts on travel by its `combine`, with its state. The other patterns
+    launch one collective per value.
 
     Args:
         transport: a `tf_agn.transports` transport.
@@ -31,11 +33,16 @@ def combine_replicas(
             a compressor without state.
         step: for a compressor with a `start_step`: the optimizer's step, a
             scalar integer tensor.
+        pattern: "all_reduce", or "reduce_scatter" (method SUM or MEAN),
+            "all_gather" or "all_to_all" (no method, uncompressed), as the
+            transports define them.
 
     Returns:
         `(combined, new_states)`: `combined` laid out like `values`, the
         same sum on every replica; `new_states` laid out like `states`.
     """
+    if pattern != "all_reduce":
+        return _launch_each(transport, pattern, method, values, value_scale), states
     like = values[0]
     compressed = [i for i, value in enumerate(like) if compression.compresses(compressor, value)]
     exact = [i for i in range(len(like)) if i not in set(compressed)]
@@ -91,6 +98,22 @@ def _combine_exactly(transport, method, values, value_scale):
     _place(combined, dense, packing.all_reduce_packs(
         transport, [[replica[i] for i in dense] for replica in values], weights_of
     ))
+    return combined
+
+
+def _launch_each(transport, pattern, method, values, value_scale):
+    """One `pattern` per position of the local replicas' lists of `values`."""
+    launch = getattr(transport, pattern)
+    combined = [[] for _ in values]
+    for position in range(len(values[0])):
+        tensors = [replica[position] for replica in values]
+        if pattern == "reduce_scatter":
+            weights = sum_weights(method, tensors[0].dtype, transport, value_scale)
+            results = launch(tensors, weights)
+        else:
+            results = launch(tensors)
+        for replica, tensor in zip(combined, results):
+            replica.append(tensor)
     return combined
 
 

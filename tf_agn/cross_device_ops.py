@@ -148,13 +148,14 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
             options.bytes_per_pack,
         )
 
-    def combine_function(self, transport, method, value_scale=1, compressor=None):
+    def combine_function(self, transport, method, value_scale=1, compressor=None, pattern="all_reduce"):
         """`combine_replicas` on `transport` as a function of
-        `(values, states=None, step=None)`."""
+        `(values, states=None, step=None)`, runnable eagerly."""
         combine = functools.partial(
-            combine_replicas, transport, method, value_scale=value_scale, compressor=compressor
+            combine_replicas, transport, method, value_scale=value_scale, compressor=compressor,
+            pattern=pattern,
         )
-        return transport.eager(("combine", method, value_scale, compressor), combine)
+        return transport.eager((pattern, method, value_scale, compressor), combine)
 
     def _reduce(self, reduce_op, values, destinations, options):
         values = [_compat.make_tensor_into_per_replica(v) for v in values]

@@ -7,7 +7,6 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.aggregation import sum_weights
 from tf_agn.aggregation import scale_value
 from tf_agn.combining import combine_replicas
 from tf_agn.communication import gathers
@@ -118,7 +117,7 @@ def aggregate(
             states = _read(variables)
             step = None if step is None else tf.convert_to_tensor(step)
             combined, new_states = context.merge_call(
-                functools.partial(_combine_merged, ops, method, value_scale, compressor),
+                functools.partial(_merged, ops, "all_reduce", method, value_scale, compressor),
                 args=(when, step, tensors, states),
             )
             _assign(variables, new_states)
@@ -128,8 +127,9 @@ def aggregate(
     return result
 
 
-def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, values, states):
-    """`aggregate`'s cross-replica half: `(combined, new_states)`."""
+def _merged(ops, pattern, method, value_scale, compressor, strategy, when, step, values, states):
+    """The cross-replica half of `aggregate` and the other patterns:
+    `(combined, new_states)`."""
     local = strategy.experimental_local_results
     per_replica = [list(replica) for replica in zip(*[local(v) for v in values])]
     per_replica_states = None
@@ -142,16 +142,19 @@ def _combine_merged(ops, method, value_scale, compressor, strategy, when, step, 
         step = local(step)[0]
     transport = ops.transport_for(values[0])
     combine = functools.partial(
-        ops.combine_function(transport, method, value_scale, compressor),
+        ops.combine_function(transport, method, value_scale, compressor, pattern),
         per_replica, states=per_replica_states, step=step,
     )
     if when is None:
         combined, new_states = combine()
     else:
-        # Taken in cross-replica context, so collectives run on all replicas or none.
-        combined, new_states = tf.cond(
-            local(when)[0], combine, lambda: (per_replica, per_replica_states)
-        )
+        # Taken in cross-replica context, so collectives run on all replicas
+        # or none; where false, tensors of the shapes `pattern` gives.
+        def stand_in():
+            combined = [[_stand_in(pattern, t, transport.size) for t in replica] for replica in per_replica]
+            return combined, per_replica_states
+
+        combined, new_states = tf.cond(local(when)[0], combine, stand_in)
     if new_states is not None:
         flat = _regroup_each(zip(*[tf.nest.flatten(s) for s in new_states]))
         new_states = tf.nest.pack_sequence_as(states, flat)
@@ -195,64 +198,18 @@ def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
             f"mirrored or multi_worker_mirrored); this strategy is "
             f"{type(context.strategy).__name__}."
         )
-    return context.merge_call(
-        functools.partial(_pattern_merged, ops, pattern, method, value_scale),
-        args=(when, tensors),
+    combined, _ = context.merge_call(
+        functools.partial(_merged, ops, pattern, method, value_scale, None),
+        args=(when, None, tensors, None),
     )
-
-
-def _pattern_merged(ops, pattern, method, value_scale, strategy, when, tensors):
-    local = strategy.experimental_local_results
-    per_replica = [list(replica) for replica in zip(*[local(t) for t in tensors])]
-    transport = ops.transport_for(tensors[0])
-    launch = functools.partial(
-        transport.eager((pattern, method, value_scale), functools.partial(
-            _launch_each, transport, pattern, method, value_scale
-        )),
-        per_replica,
-    )
-    if when is None:
-        results = launch()
-    else:
-        # As in `_combine_merged`; where false, tensors of the right shapes.
-        n = transport.size
-
-        def stand_in():
-            return [
-                [_stand_in(pattern, t, n) for t in replica]
-                for replica in per_replica
-            ]
-
-        results = tf.cond(local(when)[0], launch, stand_in)
-    return _regroup_each(zip(*results))
+    return combined
 
 
 def _stand_in(pattern, tensor, n):
     """A tensor of the shape `pattern` gives for `tensor`."""
     if pattern == "reduce_scatter":
         return tensor[0]
-    return tensor if pattern == "all_to_all" else tf.concat([tensor] * n, 0)
-
-
-def _launch_each(transport, pattern, method, value_scale, per_replica):
-    """One `pattern` per position of the local replicas' lists."""
-    results = [[] for _ in per_replica]
-    for position in range(len(per_replica[0])):
-        tensors = [replica[position] for replica in per_replica]
-        if pattern == "reduce_scatter":
-            weights = sum_weights(method, tensors[0].dtype, transport, value_scale)
-            for r, (device, weight) in enumerate(zip(transport.devices, weights)):
-                if weight != 1:
-                    with tf.device(device):
-                        tensors[r] = scale_value(tensors[r], weight)
-            combined = transport.reduce_scatter(tensors)
-        elif pattern == "all_to_all":
-            combined = transport.all_to_all(tensors)
-        else:
-            combined = transport.all_gather(tensors)
-        for replica, tensor in zip(results, combined):
-            replica.append(tensor)
-    return results
+    return tf.concat([tensor] * n, 0) if pattern == "all_gather" else tensor
 
 
 def _aggregate_in_replica(

@@ -7,7 +7,7 @@ replica and returns one per local replica, on its device:
 | pattern                               | local replica r receives                     |
 |---------------------------------------|----------------------------------------------|
 | `all_reduce(tensors, weights, cast)`  | Σ_j weights[j] · tensors[j], tensor by tensor |
-| `reduce_scatter(tensors, sum_parts)`  | row rank(r) of Σ_j tensors[j]                |
+| `reduce_scatter(tensors, weights, sum_parts)` | row rank(r) of Σ_j weights[j] · tensors[j] |
 | `all_gather(tensors)`                 | every tensor, concatenated in replica order  |
 | `all_to_all(tensors)`                 | row rank(r) of every tensor, in replica order |
 | `all_gather_rows(tensors)`            | as `all_gather`, for ragged rows             |

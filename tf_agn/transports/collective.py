@@ -5,6 +5,7 @@ import tensorflow as tf
 from tf_agn import devices as devices_lib
 from tf_agn import packing
 from tf_agn import placement
+from tf_agn.aggregation import weighted
 
 _CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
@@ -93,18 +94,20 @@ class CollectiveTransport:
                 results.append(packing.unflatten(summed, replica_tensors, cast, jit_compile=jit))
         return results
 
-    def reduce_scatter(self, tensors, sum_parts=None):
-        """Row r of every replica's tensor, summed, for replica r.
+    def reduce_scatter(self, tensors, weights=None, sum_parts=None):
+        """Row r of every replica's tensor, weighted and summed, for replica r.
 
         Args:
             tensors: for each local replica, a tensor whose first dimension
                 is `size`.
+            weights: as `all_reduce`'s, multiplied in before sending.
             sum_parts: None to sum, or a function from the `size` rows a
                 replica receives to their reduction (for int8 codes).
 
         Returns:
             For each local replica, its reduced row.
         """
+        tensors = weighted(tensors, weights, self.devices)
         native = sum_parts is None and self._has_native_reduce_scatter()
         op = tf.raw_ops.CollectiveReduceScatterV2 if native else tf.raw_ops.CollectiveAllToAllV2
         attributes = {"merge_op": "Add", "final_op": "Id"} if native else {}

@@ -6,6 +6,7 @@ import tensorflow as tf
 from tf_agn import devices as devices_lib
 from tf_agn import packing
 from tf_agn import placement
+from tf_agn.aggregation import weighted
 
 
 class LocalTransport:
@@ -68,10 +69,11 @@ class LocalTransport:
                 )
         return results
 
-    def reduce_scatter(self, tensors, sum_parts=None):
+    def reduce_scatter(self, tensors, weights=None, sum_parts=None):
         """As `CollectiveTransport.reduce_scatter`."""
         reduced = []
-        for device, rows in zip(self.devices, self.all_to_all(tensors)):
+        received = self.all_to_all(weighted(tensors, weights, self.devices))
+        for device, rows in zip(self.devices, received):
             with tf.device(device):
                 reduced.append(tf.reduce_sum(rows, 0) if sum_parts is None else sum_parts(rows))
         return reduced

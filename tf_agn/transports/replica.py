@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from tf_agn.aggregation import scale_value
+from tf_agn.aggregation import weighted
 
 # The strategy's own cross-device ops pack what they reduce.
 _ONE_PACK_PER_DTYPE = 2**62
@@ -41,9 +42,9 @@ class ReplicaTransport:
             summed = [cast.decompress(t, like.dtype) for t, like in zip(summed, replica_tensors)]
         return [summed]
 
-    def reduce_scatter(self, tensors, sum_parts=None):
+    def reduce_scatter(self, tensors, weights=None, sum_parts=None):
         """As `CollectiveTransport.reduce_scatter`, from an all-gather."""
-        (rows,) = self.all_to_all(tensors)
+        (rows,) = self.all_to_all(weighted(tensors, weights, self.devices))
         return [tf.reduce_sum(rows, 0) if sum_parts is None else sum_parts(rows)]
 
     def all_gather(self, tensors):
