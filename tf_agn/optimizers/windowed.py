@@ -142,6 +142,12 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         return memory_stats(_compat.built_variables(self), self.variables, (), commit_state)
 
     def apply(self, grads, trainable_variables=None):
+        self._record_applied(trainable_variables)
+        self.inner_optimizer.apply(grads, trainable_variables)
+        in_cross_replica_context(self._commit_if_window_ends)
+
+    def _record_applied(self, trainable_variables):
+        """Builds on the first call; records which variables are stepped."""
         if not self.built:
             self.build(trainable_variables)
         built = _compat.built_variables(self)
@@ -150,14 +156,6 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         self._applied.update(
             _compat.variable_index(self.inner_optimizer, v) for v in trainable_variables or built
         )
-        self.inner_optimizer.apply(grads, trainable_variables)
-        context = tf.distribute.get_replica_context()
-        if context is None:
-            self._commit_if_window_ends(tf.distribute.get_strategy())
-        else:
-            # TensorFlow refuses a `merge_call` inside a `tf.cond` in replica
-            # context, so the window test runs in cross-replica context.
-            context.merge_call(self._commit_if_window_ends)
 
     def _commit_if_window_ends(self, strategy):
         window_ends = ops.equal(self.inner_optimizer.iterations % self.local_steps, 0)
@@ -249,6 +247,17 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             config["outer_optimizer"], custom_objects=custom_objects
         )
         return super().from_config(config, custom_objects=custom_objects)
+
+
+def in_cross_replica_context(fn):
+    """Calls `fn(strategy)` in cross-replica context, from either context."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        fn(tf.distribute.get_strategy())
+    else:
+        # TensorFlow refuses a `merge_call` inside a `tf.cond` in replica
+        # context, so the window test runs in cross-replica context.
+        context.merge_call(fn)
 
 
 def _in_replica_context(optimizer, fn):
