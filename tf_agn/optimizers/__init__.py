@@ -14,6 +14,7 @@ from tf_agn.optimizers.downpour import DOWNPOUR
 from tf_agn.optimizers.downpour import DynSGD
 from tf_agn.optimizers.elastic import AEASGD
 from tf_agn.optimizers.elastic import EAMSGD
+from tf_agn.optimizers.streaming_diloco import StreamingDiLoCo
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 

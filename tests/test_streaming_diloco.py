@@ -1,0 +1,245 @@
+"""StreamingDiLoCo under a real 4-replica MirroredStrategy, against a numpy
+reference of its fragments, schedule, delay and mixing, and against AGN."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_agn
+from conftest import DEVICES
+from conftest import NUM_REPLICAS
+from mlp import BATCH
+from mlp import LEARNING_RATE
+from test_agn import RecordStates
+from tf_agn.optimizers import AGN
+from tf_agn.optimizers import StreamingDiLoCo
+
+SHARD = BATCH // NUM_REPLICAS
+# A tanh MLP of 4 layers: 3 -> 4 -> 4 -> 3 -> 2, the last one linear.
+WIDTHS = [3, 4, 4, 3, 2]
+OUTER_RATE, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def initial_weights():
+    rng = np.random.RandomState(1)
+    weights = []
+    for fan_in, fan_out in zip(WIDTHS[:-1], WIDTHS[1:]):
+        weights += [rng.randn(fan_in, fan_out) * 0.5, rng.randn(fan_out) * 0.1]
+    return [w.astype("float32") for w in weights]
+
+
+def mlp_data(steps):
+    rng = np.random.RandomState(0)
+    x = rng.randn(BATCH * steps, WIDTHS[0]).astype("float32")
+    y = np.stack([np.sin(x.sum(1)), x[:, 0] * x[:, 1]], 1).astype("float32")
+    return x, y
+
+
+def build_model(optimizer):
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        model = keras.Sequential(
+            [keras.Input((WIDTHS[0],))]
+            + [keras.layers.Dense(width, activation="tanh") for width in WIDTHS[1:-1]]
+            + [keras.layers.Dense(WIDTHS[-1])]
+        )
+        model.set_weights(initial_weights())
+        model.compile(optimizer(), loss="mse")
+    return model
+
+
+def fit_recording(optimizer, steps):
+    """Every replica's weights and the centers after each of `steps` steps."""
+    model = build_model(optimizer)
+    x, y = mlp_data(steps)
+    record = RecordStates()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[record])
+    return model, record.states
+
+
+def mlp_gradients(weights, x, y):
+    """Backpropagation of the mean squared error of the tanh MLP."""
+    activations = [x]
+    for layer in range(0, len(weights), 2):
+        out = activations[-1] @ weights[layer] + weights[layer + 1]
+        activations.append(np.tanh(out) if layer + 2 < len(weights) else out)
+    upstream = 2 * (activations[-1] - y) / y.size
+    grads = [None] * len(weights)
+    for layer in reversed(range(0, len(weights), 2)):
+        if layer + 2 < len(weights):
+            upstream = upstream * (1 - activations[layer // 2 + 1] ** 2)
+        grads[layer] = activations[layer // 2].T @ upstream
+        grads[layer + 1] = upstream.sum(0)
+        upstream = upstream @ weights[layer].T
+    return grads
+
+
+def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps):
+    """Per-replica weights and centers after each step, in float64: inner
+    SGD(LEARNING_RATE); fragment p's mean Δ taken after step k − τ and
+    landed after step k ≡ (p + 1)·H/F (mod H) with outer SGD(0.7, 0.9,
+    Nesterov) as Keras writes it, then θ ← α·θ + (1 − α)·θ_c."""
+    center = [w.astype("float64") for w in initial_weights()]
+    replicas = [list(center) for _ in range(NUM_REPLICAS)]
+    momentum = [np.zeros_like(c) for c in center]
+    subwindow = local_steps // len(fragments)
+    sent, history = {}, []
+
+    def mean_delta(fragment):
+        return {i: np.mean([r[i] - center[i] for r in replicas], 0) for i in fragments[fragment]}
+
+    for step in range(1, steps + 1):
+        for p in range(len(fragments)):
+            if sync_delay and (step - 1) % local_steps == ((p + 1) * subwindow - sync_delay) % local_steps:
+                sent[p] = mean_delta(p)
+        for r in range(NUM_REPLICAS):
+            rows = slice((step - 1) * BATCH + r * SHARD, (step - 1) * BATCH + (r + 1) * SHARD)
+            grads = mlp_gradients(replicas[r], x[rows], y[rows])
+            replicas[r] = [w - LEARNING_RATE * g for w, g in zip(replicas[r], grads)]
+        for p in range(len(fragments)):
+            if step % local_steps != ((p + 1) * subwindow) % local_steps:
+                continue
+            deltas = sent.pop(p) if sync_delay else mean_delta(p)
+            for i, delta in deltas.items():
+                momentum[i] = OUTER_MOMENTUM * momentum[i] + OUTER_RATE * delta
+                center[i] = center[i] + OUTER_MOMENTUM * momentum[i] + OUTER_RATE * delta
+                for weights in replicas:
+                    weights[i] = center[i] + alpha * (weights[i] - center[i])
+        history.append(([list(w) for w in replicas], list(center)))
+    return history
+
+
+def assert_matches_reference(local_steps, num_fragments, sync_delay, alpha, fragments, steps):
+    x, y = mlp_data(steps)
+    _, states = fit_recording(
+        lambda: StreamingDiLoCo(
+            keras.optimizers.SGD(LEARNING_RATE),
+            local_steps=local_steps,
+            num_fragments=num_fragments,
+            sync_delay=sync_delay,
+            fragment_update_alpha=alpha,
+        ),
+        steps,
+    )
+    reference = streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps)
+    for step, ((replicas, center), (want_replicas, want_center)) in enumerate(
+        zip(states, reference, strict=True), 1
+    ):
+        for i, (got, want) in enumerate(zip(center, want_center, strict=True)):
+            np.testing.assert_allclose(
+                got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, center {i}"
+            )
+        for r in range(NUM_REPLICAS):
+            for i, (got, want) in enumerate(zip(replicas[r], want_replicas[r], strict=True)):
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, replica {r}, {i}"
+                )
+    # The replicas explored apart: every exchange mattered.
+    assert not np.allclose(states[-2][0][0][0], states[-2][0][1][0])
+
+
+def test_four_fragments_land_one_a_step_in_layer_order():
+    # H = 4, F = 4: layer j (variables 2j, 2j + 1) lands after steps j + 1, j + 5.
+    assert_matches_reference(4, 4, 0, 0.0, [[0, 1], [2, 3], [4, 5], [6, 7]], steps=8)
+
+
+def test_fragments_are_strided_and_land_sync_delay_steps_after_sending():
+    # H = 6, F = 2, τ = 2: layers 0 and 2 are fragment 0, sent after step 1
+    # and landed after step 3; layers 1 and 3 sent after 4, landed after 6.
+    assert_matches_reference(6, 2, 2, 0.0, [[0, 1, 4, 5], [2, 3, 6, 7]], steps=12)
+
+
+def test_fragment_update_alpha_mixes_local_weights_in():
+    assert_matches_reference(4, 2, 1, 0.5, [[0, 1, 4, 5], [2, 3, 6, 7]], steps=8)
+
+
+def test_one_fragment_without_delay_is_agn_with_an_undivided_commit_bitwise():
+    # The same ops in the same order: one packed all-reduce of θ − θ_c, the
+    # outer step on θ_c, then θ ← θ_c.
+    def outer():
+        return keras.optimizers.SGD(OUTER_RATE, momentum=OUTER_MOMENTUM, nesterov=True)
+
+    steps = 6
+    _, streaming = fit_recording(
+        lambda: StreamingDiLoCo(
+            keras.optimizers.Adam(0.01), local_steps=3, num_fragments=1, outer_optimizer=outer()
+        ),
+        steps,
+    )
+    _, diloco = fit_recording(
+        lambda: AGN(keras.optimizers.Adam(0.01), local_steps=3, outer_optimizer=outer(),
+                    normalize=False),
+        steps,
+    )
+    for step, ((got_replicas, got_center), (want_replicas, want_center)) in enumerate(
+        zip(streaming, diloco, strict=True), 1
+    ):
+        for got, want in zip(got_center, want_center, strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        for got, want in zip(got_replicas, want_replicas, strict=True):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
+    assert not np.array_equal(streaming[-1][1][0], initial_weights()[0])
+
+
+def test_exchanges_and_bytes_are_one_fragment_at_a_time():
+    model, _ = fit_recording(
+        lambda: StreamingDiLoCo(
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=4, num_fragments=2, sync_delay=1
+        ),
+        steps=8,
+    )
+    fragment_sizes = [3 * 4 + 4 + 4 * 3 + 3, 4 * 4 + 4 + 3 * 2 + 2]
+    stats = model.optimizer.communication_stats()
+    assert stats["all_reduce_calls"] == 4
+    assert stats["bytes_sent"] == 2 * 4 * sum(fragment_sizes)
+
+
+def test_config_round_trip():
+    optimizer = StreamingDiLoCo(
+        keras.optimizers.AdamW(1e-3),
+        local_steps=8,
+        num_fragments=4,
+        sync_delay=1,
+        fragment_update_alpha=0.25,
+        aggregation_method="sum",
+    )
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert isinstance(restored, StreamingDiLoCo)
+    assert (restored.num_fragments, restored.sync_delay) == (4, 1)
+    assert restored.fragment_update_alpha == 0.25
+    assert restored.outer_optimizer.nesterov and restored.outer_optimizer.momentum == 0.9
+    assert float(restored.outer_optimizer.learning_rate) == pytest.approx(0.7)
+    assert restored.get_config() == optimizer.get_config()
+
+
+def test_num_fragments_must_divide_local_steps():
+    with pytest.raises(ValueError, match=r"num_fragments=4 must divide local_steps=6"):
+        StreamingDiLoCo(keras.optimizers.SGD(), local_steps=6, num_fragments=4)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="num_fragments must be an int >= 1"):
+            StreamingDiLoCo(keras.optimizers.SGD(), local_steps=6, num_fragments=bad)
+
+
+@pytest.mark.parametrize("sync_delay", [-1, 2, 1.0])
+def test_sync_delay_must_be_below_a_fragments_share_of_the_window(sync_delay):
+    with pytest.raises(
+        ValueError,
+        match=rf"sync_delay must be an int in .* = \[0, 2\) .*received {sync_delay}\.",
+    ):
+        StreamingDiLoCo(
+            keras.optimizers.SGD(), local_steps=4, num_fragments=2, sync_delay=sync_delay
+        )
+
+
+def test_fragment_update_alpha_must_be_in_the_unit_interval():
+    with pytest.raises(ValueError, match=r"fragment_update_alpha must be in \[0, 1\]; received 1.5"):
+        StreamingDiLoCo(
+            keras.optimizers.SGD(), local_steps=4, num_fragments=2, fragment_update_alpha=1.5
+        )
+
+
+def test_more_fragments_than_layers_is_refused_when_built():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    optimizer = StreamingDiLoCo(keras.optimizers.SGD(), local_steps=3, num_fragments=3)
+    with pytest.raises(ValueError, match=r"num_fragments=3 is more than the 2 layers"):
+        optimizer.build(model.trainable_variables)

@@ -1,0 +1,260 @@
+"""`StreamingDiLoCo`: DiLoCo that synchronizes one fragment at a time."""
+
+import functools
+
+import keras
+from keras import ops
+
+from tf_agn import _compat
+from tf_agn.optimizers.windowed import WindowedOptimizer
+from tf_agn.optimizers.windowed import in_cross_replica_context
+from tf_agn.replica_aggregation import aggregate
+
+
+@keras.saving.register_keras_serializable(package="tf_agn")
+class StreamingDiLoCo(WindowedOptimizer):
+    """Streaming DiLoCo (Douillard et al., 2025), without its 4-bit exchanges.
+
+    DiLoCo whose weights are split into F = `num_fragments` fragments, each
+    synchronized at its own step of every window of H = `local_steps`, so
+    that an exchange carries 1/F of the weights, and whose exchanges run
+    while τ = `sync_delay` local steps compute.
+
+    - Fragments: a variable's layer is its `path` without the last part;
+      layer j, in the order of the layers' first variables, goes to
+      fragment j mod F.
+    - Schedule (torchft's): fragment p lands after local step k with
+      k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
+      weights after step k − τ and combined across replicas in the graph of
+      step k − τ + 1, beside its forward and backward pass.
+    - Landing: the outer optimizer steps θ_c,p with gradient −Δ_p (Δ_p not
+      divided by H), then θ_p ← α·θ_p + (1 − α)·θ_c,p, α being
+      `fragment_update_alpha`. The outer optimizer's `iterations` grows
+      once a window, so each fragment's n-th step sees n − 1.
+
+    With F = 1 and τ = 0 it is DiLoCo, `AGN(optimizer, local_steps=H,
+    outer_optimizer=..., normalize=False)`. The combined Δ in flight are
+    optimizer variables: saving and `tf_agn.callbacks.BackupAndRestore`
+    keep them. Unlike AGN, `fit` commits nothing at its end: the replicas
+    keep their weights and the next `fit` continues the schedule
+    (`tf_agn.callbacks.EvaluateAtCenter` evaluates the centers).
+
+    Example:
+
+    ```python
+    with tf_agn.strategies.mirrored().scope():
+        model = make_model()
+        model.compile(
+            optimizer=tf_agn.optimizers.StreamingDiLoCo(
+                keras.optimizers.AdamW(1e-3), local_steps=8, num_fragments=2,
+                sync_delay=1,
+            ),
+            loss="sparse_categorical_crossentropy",
+        )
+    ```
+
+    Args:
+        optimizer: the inner Keras optimizer, stepped locally.
+        local_steps: H, the local steps per window (an int >= 1).
+        num_fragments: F, an int >= 1 that divides H, at most the number of
+            layers.
+        sync_delay: τ, the local steps an exchange overlaps: an int with
+            0 <= τ < H/F.
+        fragment_update_alpha: α in [0, 1], the share of its local weights a
+            replica keeps when a fragment lands.
+        outer_optimizer: applies the combined Δ to the centers; default
+            DiLoCo's `SGD(0.7, momentum=0.9, nesterov=True)` (torchft has
+            none).
+        aggregation_method: how the replicas' Δ are combined.
+        compression: how the Δ travel: as `WindowedOptimizer`'s.
+        name: the optimizer's name.
+
+    Raises:
+        TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
+            optimizer.
+        ValueError: for a bad argument of `WindowedOptimizer`, an F that is
+            not an int >= 1 dividing H, a τ or α out of range; when built,
+            for an F larger than the number of layers.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        local_steps,
+        num_fragments,
+        sync_delay=0,
+        fragment_update_alpha=0.0,
+        outer_optimizer=None,
+        aggregation_method="mean",
+        compression=None,
+        name=None,
+    ):
+        if outer_optimizer is None:
+            outer_optimizer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+        super().__init__(
+            optimizer,
+            local_steps,
+            aggregation_method=aggregation_method,
+            outer_optimizer=outer_optimizer,
+            compression=compression,
+            name=name,
+        )
+        _check_schedule(local_steps, num_fragments, sync_delay)
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(
+                f"fragment_update_alpha must be in [0, 1]; received {fragment_update_alpha!r}."
+            )
+        self.num_fragments = num_fragments
+        self.sync_delay = sync_delay
+        self.fragment_update_alpha = float(fragment_update_alpha)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._fragments = fragments_by_layer(var_list, self.num_fragments)
+        # The combined Δ between the step that sends them and the one they
+        # land in; with τ = 0 they land where they are combined.
+        self._outer_gradients = [
+            self.add_variable_from_reference(v, name="outer_gradient")
+            for v in (var_list if self.sync_delay else ())
+        ]
+
+    def apply(self, grads, trainable_variables=None):
+        self._record_applied(trainable_variables)
+        if self.sync_delay:
+            # Before the local step: the exchange reads the weights of the
+            # step before and depends on nothing this step computes.
+            in_cross_replica_context(
+                functools.partial(self._for_each_due_fragment, self._send, self.sync_delay)
+            )
+        super().apply(grads, trainable_variables)
+
+    def _commit_if_window_ends(self, strategy):
+        self._for_each_due_fragment(self._land, 0, strategy)
+
+    def _for_each_due_fragment(self, action, steps_early, strategy):
+        """Runs `action(p)` on every replica for the fragment p, if any,
+        that lands `steps_early` steps after the steps done so far."""
+        subwindow = self.local_steps // self.num_fragments
+        position = self.inner_optimizer.iterations % self.local_steps
+        # The same conditions in the same order everywhere: every replica
+        # and worker runs the same collectives in the same order.
+        for fragment in range(self.num_fragments):
+            due = ((fragment + 1) * subwindow - steps_early) % self.local_steps
+            ops.cond(
+                ops.equal(position, due),
+                functools.partial(
+                    strategy.extended.call_for_each_replica, action, args=(fragment,)
+                ),
+                lambda: None,
+            )
+
+    def _fragment(self, fragment):
+        """The built positions of `fragment`'s variables that are stepped."""
+        applied = self._applied or range(len(self._centers))
+        return [i for i in self._fragments[fragment] if i in applied]
+
+    def _combined_deltas(self, indices):
+        """The replicas' combined Δ of the variables at `indices`."""
+        built = _compat.built_variables(self)
+        return aggregate(
+            [self.commit_delta(built[i], self._centers[i]) for i in indices],
+            self.aggregation,
+            compressor=self.resolved_compression,
+            state=[self._compression_state[i] for i in indices],
+            step=self.outer_optimizer.iterations,
+            counter=self._communication,
+        )
+
+    def _send(self, fragment):
+        """Combines `fragment`'s Δ into its outer gradients, in replica context."""
+        indices = self._fragment(fragment)
+        for i, combined in zip(indices, self._combined_deltas(indices)):
+            self._outer_gradients[i].assign(combined)
+
+    def _land(self, fragment):
+        """Steps `fragment`'s centers and mixes them into the weights, in
+        replica context."""
+        indices = self._fragment(fragment)
+        if self.sync_delay:
+            combined = [self._outer_gradients[i].value for i in indices]
+        else:
+            combined = self._combined_deltas(indices)
+        centers = [self._centers[i] for i in indices]
+        _compat.update_step_in_place(
+            self.outer_optimizer,
+            [ops.negative(delta) for delta in combined],
+            centers,
+            self.outer_optimizer.learning_rate,
+        )
+        if fragment == self.num_fragments - 1:
+            self.outer_optimizer.iterations.assign_add(1)
+        built = _compat.built_variables(self)
+        alpha = self.fragment_update_alpha
+        for i, center in zip(indices, centers):
+            # As torch's lerp: exactly the center when α = 0.
+            mixed = ops.add(center, ops.multiply(alpha, ops.subtract(built[i], center)))
+            built[i].assign(mixed)
+
+    def finalize_variable_values(self, var_list):
+        # Not WindowedOptimizer's partial commit: a fragment may be in flight.
+        super(WindowedOptimizer, self).finalize_variable_values(var_list)
+
+    def get_config(self):
+        config = super().get_config()
+        del config["reset_inner_state"]
+        config.update(
+            num_fragments=self.num_fragments,
+            sync_delay=self.sync_delay,
+            fragment_update_alpha=self.fragment_update_alpha,
+        )
+        return config
+
+
+def fragments_by_layer(variables, num_fragments):
+    """The positions in `variables` of each fragment's variables: layer j, in
+    the order of the layers' first variables, in fragment j mod F.
+
+    Raises:
+        ValueError: if there are fewer layers than `num_fragments`.
+    """
+    layers = list(dict.fromkeys(_layer_of(v) for v in variables))
+    if len(layers) < num_fragments:
+        raise ValueError(
+            f"num_fragments={num_fragments} is more than the {len(layers)} layers "
+            f"with variables to optimize ({', '.join(layers)}); pass at most {len(layers)}."
+        )
+    fragment_of_layer = {layer: j % num_fragments for j, layer in enumerate(layers)}
+    return [
+        [i for i, v in enumerate(variables) if fragment_of_layer[_layer_of(v)] == fragment]
+        for fragment in range(num_fragments)
+    ]
+
+
+def _layer_of(variable):
+    """The path of the layer that owns `variable`."""
+    return variable.path.rpartition("/")[0] or variable.path
+
+
+def _check_schedule(local_steps, num_fragments, sync_delay):
+    """Raises unless F divides H and 0 <= τ < H/F."""
+    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
+        raise ValueError(f"num_fragments must be an int >= 1; received {num_fragments!r}.")
+    if local_steps % num_fragments:
+        raise ValueError(
+            f"num_fragments={num_fragments} must divide local_steps={local_steps}: "
+            "each fragment lands once every local_steps steps, one every "
+            "local_steps / num_fragments."
+        )
+    subwindow = local_steps // num_fragments
+    if (
+        isinstance(sync_delay, bool)
+        or not isinstance(sync_delay, int)
+        or not 0 <= sync_delay < subwindow
+    ):
+        raise ValueError(
+            f"sync_delay must be an int in [0, local_steps / num_fragments) = "
+            f"[0, {subwindow}) (local_steps={local_steps}, num_fragments="
+            f"{num_fragments}); received {sync_delay!r}."
+        )
