@@ -119,6 +119,34 @@ def test_resumed_agn_run_equals_an_uninterrupted_one_on_every_replica(tmp_path):
     assert not os.path.exists(backup_dir)  # delete_checkpoint=True
 
 
+def test_a_streaming_diloco_exchange_in_flight_resumes_exactly(tmp_path):
+    # H = 6, F = 2, τ = 2: the second fragment's first combined Δ is sent
+    # in step 5 and lands after step 6; the backup after step 5 holds it.
+    def streaming():
+        return tf_agn.optimizers.StreamingDiLoCo(
+            keras.optimizers.Adam(0.05), local_steps=6, num_fragments=2, sync_delay=2
+        )
+
+    strategy = tf_agn.strategies.mirrored()
+    reference = restart_model.build_model(strategy, streaming)
+    _fit(reference)
+    interrupted = restart_model.build_model(strategy, streaming)
+    backup_dir = str(tmp_path / "backup")
+    _interrupted_fit(interrupted, backup_dir, 1, 1, save_freq=1)
+    assert (_pointer(backup_dir)["epoch"], _pointer(backup_dir)["step"]) == (1, 1)
+    outer_gradients = [v for v in interrupted.optimizer.variables if "outer_gradient" in v.path]
+    # The second layer's, zeros until its first exchange.
+    assert all(np.any(v.numpy()) for v in outer_gradients[2:])
+
+    resumed = restart_model.build_model(strategy, streaming)  # fresh weights and optimizer
+    _fit(resumed, [tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
+    _assert_states_equal(
+        restart_model.training_state(resumed),
+        restart_model.training_state(reference),
+        atol=1e-6,
+    )
+
+
 def test_resume_without_a_strategy_and_several_steps_per_execution(tmp_path):
     strategy = tf.distribute.get_strategy()
     reference = restart_model.build_model(strategy, steps_per_execution=2)

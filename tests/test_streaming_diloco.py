@@ -194,6 +194,27 @@ def test_exchanges_and_bytes_are_one_fragment_at_a_time():
     assert stats["bytes_sent"] == 2 * 4 * sum(fragment_sizes)
 
 
+def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
+    # H = 6, F = 2, τ = 2: after 5 steps the second fragment's Δ is in flight.
+    model, _ = fit_recording(
+        lambda: StreamingDiLoCo(
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
+        ),
+        steps=5,
+    )
+    path = str(tmp_path / "streaming.keras")
+    model.save(path)
+    with tf_agn.strategies.mirrored(DEVICES).scope():
+        loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, StreamingDiLoCo)
+    # Both fragments' combined Δ: the first's landed after step 3, the
+    # second's, sent in step 5, is in flight (zeros before).
+    outer_gradients = [v for v in model.optimizer.variables if "outer_gradient" in v.path]
+    assert len(outer_gradients) == 8 and all(np.any(v.numpy()) for v in outer_gradients)
+    for got, want in zip(loaded.optimizer.variables, model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+
+
 def test_config_round_trip():
     optimizer = StreamingDiLoCo(
         keras.optimizers.AdamW(1e-3),
