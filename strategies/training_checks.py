@@ -5,6 +5,7 @@ runs, saying what to change.
 
 import tensorflow as tf
 
+from tf_agn.optimizers.streaming_diloco import StreamingDiLoCo
 from tf_agn.optimizers.windowed import WindowedOptimizer
 
 
@@ -30,8 +31,8 @@ def check_optimizer(model):
     """Returns `model`'s windowed optimizer.
 
     Raises:
-        ValueError: if the optimizer is not windowed or the model is not
-            built.
+        ValueError: if the optimizer is not windowed, is
+            `StreamingDiLoCo`, or the model is not built.
     """
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, WindowedOptimizer):
@@ -39,6 +40,12 @@ def check_optimizer(model):
             "Asynchronous training needs one of tf_agn's windowed optimizers "
             "(AGN, DOWNPOUR, DynSGD, AEASGD, EAMSGD); the model was compiled "
             f"with {optimizer!r}."
+        )
+    if isinstance(optimizer, StreamingDiLoCo):
+        raise ValueError(
+            "StreamingDiLoCo's fragments and delayed exchanges are synchronous: "
+            "train it with model.fit under MirroredStrategy. Asynchronously, "
+            "DiLoCo is AGN(normalize=False) with an outer Nesterov optimizer."
         )
     if not model.built:
         raise ValueError(

@@ -264,3 +264,12 @@ def test_more_fragments_than_layers_is_refused_when_built():
     optimizer = StreamingDiLoCo(keras.optimizers.SGD(), local_steps=3, num_fragments=3)
     with pytest.raises(ValueError, match=r"num_fragments=3 is more than the 2 layers"):
         optimizer.build(model.trainable_variables)
+
+
+def test_asynchronous_training_is_refused():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    model.compile(
+        StreamingDiLoCo(keras.optimizers.SGD(), local_steps=2, num_fragments=2), loss="mse"
+    )
+    with pytest.raises(ValueError, match="StreamingDiLoCo's fragments and delayed exchanges are"):
+        tf_agn.strategies.simulate(model, lambda context: None, num_workers=2, num_windows=1)
