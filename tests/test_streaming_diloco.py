@@ -4,6 +4,7 @@ reference of its fragments, schedule, delay and mixing, and against AGN."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
@@ -179,6 +180,53 @@ def test_one_fragment_without_delay_is_agn_with_an_undivided_commit_bitwise():
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
     assert not np.array_equal(streaming[-1][1][0], initial_weights()[0])
+
+
+def test_an_exchange_depends_on_nothing_its_step_computes():
+    # In the traced step, the conditional exchanges of the two fragments
+    # (created first) have no forward or backward op among their inputs,
+    # so the all-reduce can run beside them; the landings come after.
+    strategy = tf_agn.strategies.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)]
+        )
+        optimizer = StreamingDiLoCo(
+            keras.optimizers.SGD(0.1), local_steps=4, num_fragments=2, sync_delay=1
+        )
+        optimizer.build(model.trainable_variables)
+    x, y = (tf.constant(a) for a in mlp_data(1))
+
+    @tf.function
+    def step():
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables))
+
+        strategy.run(replica)
+
+    graph = step.get_concrete_function().graph
+    conditionals = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    computes = [
+        [o.name for o in ancestors(op) if o.type in ("MatMul", "Tanh", "TanhGrad")]
+        for op in conditionals
+    ]
+    assert len(computes) == 4
+    assert computes[:2] == [[], []]
+    assert all(computes[2:])
+
+
+def ancestors(op):
+    """Every op `op` depends on, through inputs or control inputs."""
+    seen, pending = set(), [op]
+    while pending:
+        current = pending.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                pending.append(parent)
+    return seen
 
 
 def test_exchanges_and_bytes_are_one_fragment_at_a_time():
