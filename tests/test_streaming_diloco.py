@@ -36,7 +36,7 @@ def mlp_data(steps):
     return x, y
 
 
-def build_model(optimizer):
+def build_model(optimizer, **compile_kwargs):
     with tf_agn.strategies.mirrored(DEVICES).scope():
         model = keras.Sequential(
             [keras.Input((WIDTHS[0],))]
@@ -44,7 +44,7 @@ def build_model(optimizer):
             + [keras.layers.Dense(WIDTHS[-1])]
         )
         model.set_weights(initial_weights())
-        model.compile(optimizer(), loss="mse")
+        model.compile(optimizer(), loss="mse", **compile_kwargs)
     return model
 
 
@@ -227,6 +227,22 @@ def ancestors(op):
                 seen.add(parent)
                 pending.append(parent)
     return seen
+
+
+def test_several_steps_per_execution_change_nothing():
+    def fit_state(steps_per_execution):
+        model = build_model(
+            lambda: StreamingDiLoCo(
+                keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
+            ),
+            steps_per_execution=steps_per_execution,
+        )
+        model.fit(*mlp_data(12), batch_size=BATCH, shuffle=False, verbose=0)
+        return tf_agn.replica_weights(model.variables + model.optimizer.variables)
+
+    for got, want in zip(fit_state(3), fit_state(1), strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
 
 
 def test_exchanges_and_bytes_are_one_fragment_at_a_time():
