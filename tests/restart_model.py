@@ -29,6 +29,10 @@ OPTIMIZERS = {
     "agn": None,
     "adam": lambda: tf_agn.optimizers.Adam(0.05),
     "adam_sharded": lambda: tf_agn.optimizers.Adam(0.05, shard_optimizer_state=True),
+    # H = 6, F = 2, τ = 2: an exchange is in flight after steps ≡ 2 and 5 (mod 6).
+    "streaming_diloco": lambda: tf_agn.optimizers.StreamingDiLoCo(
+        keras.optimizers.Adam(0.05), local_steps=6, num_fragments=2, sync_delay=2
+    ),
 }
 
 

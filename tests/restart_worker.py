@@ -7,7 +7,7 @@ It is not a test module and must not import conftest (which splits the CPU
 into 4 devices): each worker keeps one CPU, one replica.
 
 Usage: python restart_worker.py WORKDIR [--kill_worker I --kill_epoch E
-    --kill_batch B] [--epochs N] [--optimizer adam|adam_sharded]
+    --kill_batch B] [--epochs N] [--optimizer adam|adam_sharded|streaming_diloco]
     [--rows R --global_batch G]
 
 With --optimizer it trains with tf_agn's Adam (sharded or not) instead of
@@ -110,7 +110,7 @@ def main():
     parser.add_argument("--kill_worker", type=int, default=-1)
     parser.add_argument("--kill_epoch", type=int, default=2)
     parser.add_argument("--kill_batch", type=int, default=3)
-    parser.add_argument("--optimizer", choices=["agn", "adam", "adam_sharded"], default="agn")
+    parser.add_argument("--optimizer", choices=list(restart_model.OPTIMIZERS), default="agn")
     parser.add_argument("--rows", type=int, default=restart_model.ROWS)
     parser.add_argument("--global_batch", type=int, default=restart_model.GLOBAL_BATCH)
     args = parser.parse_args()

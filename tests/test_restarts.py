@@ -122,11 +122,7 @@ def test_resumed_agn_run_equals_an_uninterrupted_one_on_every_replica(tmp_path):
 def test_a_streaming_diloco_exchange_in_flight_resumes_exactly(tmp_path):
     # H = 6, F = 2, τ = 2: the second fragment's first combined Δ is sent
     # in step 5 and lands after step 6; the backup after step 5 holds it.
-    def streaming():
-        return tf_agn.optimizers.StreamingDiLoCo(
-            keras.optimizers.Adam(0.05), local_steps=6, num_fragments=2, sync_delay=2
-        )
-
+    streaming = restart_model.OPTIMIZERS["streaming_diloco"]
     strategy = tf_agn.strategies.mirrored()
     reference = restart_model.build_model(strategy, streaming)
     _fit(reference)
@@ -653,6 +649,29 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_
     assert other and all(re.fullmatch(r"ckpt-\d+\.worker-1\.npz(\.tmp)?", name)
                          for _, name in other), other
     assert _pointer(tmp_path / "backup")["tasks"] == ["worker-0", "worker-1"]
+
+
+@pytest.mark.slow
+def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path):
+    # Backups every 2 steps: the last before the kill, after step 8, holds
+    # the first fragment's Δ sent in step 8, landing after step 9.
+    code, output = _launch(
+        ["--multi_worker", "2", "--max_restarts", "1"],
+        [sys.executable, WORKER_SCRIPT, str(tmp_path), "--optimizer=streaming_diloco",
+         "--kill_worker", "1", "--kill_epoch=2", "--kill_batch=1"],
+        _env(),
+    )
+    assert code == 0, output
+    assert "restarting every worker (restart 1 of 1)" in output, output
+    reference = restart_model.build_model(
+        tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS["streaming_diloco"]
+    )
+    _fit(reference)
+    got = []
+    for index in range(2):
+        with np.load(tmp_path / f"result-worker-{index}.npz") as npz:
+            got.append([npz[str(i)] for i in range(len(npz.files))])
+    _assert_states_equal(got, restart_model.training_state(reference), atol=1e-5)
 
 
 @pytest.mark.slow
