@@ -19,6 +19,7 @@ SHARD = BATCH // NUM_REPLICAS
 # A tanh MLP of 4 layers: 3 -> 4 -> 4 -> 3 -> 2, the last one linear.
 WIDTHS = [3, 4, 4, 3, 2]
 OUTER_RATE, OUTER_MOMENTUM = 0.7, 0.9
+ADAM_RATE = 0.05
 
 
 def initial_weights():
@@ -74,14 +75,31 @@ def mlp_gradients(weights, x, y):
     return grads
 
 
-def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps):
+def nesterov_step(center, delta, momentum, count):
+    """Keras's SGD(0.7, momentum=0.9, nesterov=True) with gradient −delta."""
+    del count
+    momentum = OUTER_MOMENTUM * (0.0 if momentum is None else momentum) + OUTER_RATE * delta
+    return center + OUTER_MOMENTUM * momentum + OUTER_RATE * delta, momentum
+
+
+def adam_step(center, delta, moments, count):
+    """Keras's Adam(ADAM_RATE) with gradient −delta, at step `count` + 1."""
+    m, v = (0.0, 0.0) if moments is None else moments
+    m = m + (-delta - m) * (1 - 0.9)
+    v = v + (delta**2 - v) * (1 - 0.999)
+    rate = ADAM_RATE * np.sqrt(1 - 0.999 ** (count + 1)) / (1 - 0.9 ** (count + 1))
+    return center - m * rate / (np.sqrt(v) + 1e-7), (m, v)
+
+
+def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps, outer_step):
     """Per-replica weights and centers after each step, in float64: inner
     SGD(LEARNING_RATE); fragment p's mean Δ taken after step k − τ and
-    landed after step k ≡ (p + 1)·H/F (mod H) with outer SGD(0.7, 0.9,
-    Nesterov) as Keras writes it, then θ ← α·θ + (1 − α)·θ_c."""
+    landed after step k ≡ (p + 1)·H/F (mod H) by `outer_step`, given how
+    many times p landed before, then θ ← α·θ + (1 − α)·θ_c."""
     center = [w.astype("float64") for w in initial_weights()]
     replicas = [list(center) for _ in range(NUM_REPLICAS)]
-    momentum = [np.zeros_like(c) for c in center]
+    outer_state = [None] * len(center)
+    landed = [0] * len(fragments)
     subwindow = local_steps // len(fragments)
     sent, history = {}, []
 
@@ -101,15 +119,18 @@ def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps):
                 continue
             deltas = sent.pop(p) if sync_delay else mean_delta(p)
             for i, delta in deltas.items():
-                momentum[i] = OUTER_MOMENTUM * momentum[i] + OUTER_RATE * delta
-                center[i] = center[i] + OUTER_MOMENTUM * momentum[i] + OUTER_RATE * delta
+                center[i], outer_state[i] = outer_step(center[i], delta, outer_state[i], landed[p])
                 for weights in replicas:
                     weights[i] = center[i] + alpha * (weights[i] - center[i])
+            landed[p] += 1
         history.append(([list(w) for w in replicas], list(center)))
     return history
 
 
-def assert_matches_reference(local_steps, num_fragments, sync_delay, alpha, fragments, steps):
+def assert_matches_reference(
+    local_steps, num_fragments, sync_delay, alpha, fragments, steps, make_outer=lambda: None,
+    outer_step=nesterov_step,
+):
     x, y = mlp_data(steps)
     _, states = fit_recording(
         lambda: StreamingDiLoCo(
@@ -118,10 +139,13 @@ def assert_matches_reference(local_steps, num_fragments, sync_delay, alpha, frag
             num_fragments=num_fragments,
             sync_delay=sync_delay,
             fragment_update_alpha=alpha,
+            outer_optimizer=make_outer(),  # None: the default
         ),
         steps,
     )
-    reference = streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps)
+    reference = streaming_reference(
+        x, y, local_steps, fragments, sync_delay, alpha, steps, outer_step
+    )
     for step, ((replicas, center), (want_replicas, want_center)) in enumerate(
         zip(states, reference, strict=True), 1
     ):
@@ -151,6 +175,14 @@ def test_fragments_are_strided_and_land_sync_delay_steps_after_sending():
 
 def test_fragment_update_alpha_mixes_local_weights_in():
     assert_matches_reference(4, 2, 1, 0.5, [[0, 1, 4, 5], [2, 3, 6, 7]], steps=8)
+
+
+def test_an_outer_adam_counts_each_fragments_own_steps():
+    # Its bias correction at a fragment's n-th landing uses step n.
+    assert_matches_reference(
+        4, 2, 1, 0.0, [[0, 1, 4, 5], [2, 3, 6, 7]], steps=12,
+        make_outer=lambda: keras.optimizers.Adam(ADAM_RATE), outer_step=adam_step,
+    )
 
 
 def test_one_fragment_without_delay_is_agn_with_an_undivided_commit_bitwise():
