@@ -25,8 +25,9 @@ class StreamingDiLoCo(WindowedOptimizer):
       fragment j mod F.
     - Schedule (torchft's): fragment p lands after local step k with
       k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
-      weights after step k − τ and combined across replicas in the graph of
-      step k − τ + 1, beside its forward and backward pass.
+      weights after step k − τ; with τ ≥ 1 it is combined across replicas
+      in the graph of step k − τ + 1, beside that step's forward and
+      backward pass (with τ = 0, after step k).
     - Landing: the outer optimizer steps θ_c,p with gradient −Δ_p (Δ_p not
       divided by H), then θ_p ← α·θ_p + (1 − α)·θ_c,p, α being
       `fragment_update_alpha`. The outer optimizer's `iterations` grows
@@ -111,8 +112,8 @@ class StreamingDiLoCo(WindowedOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        super().build(var_list)
         self._fragments = fragments_by_layer(var_list, self.num_fragments)
+        super().build(var_list)
         # The combined Δ between the step that sends them and the one they
         # land in; with τ = 0 they land where they are combined.
         self._outer_gradients = [
