@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import pytest
 import tensorflow as tf
 
@@ -200,6 +201,22 @@ def test_optimizer_disagreement_names_what_differs(differs, named, shown):
     assert message.startswith(f"Workers disagree on {named}: worker 0 has ")
     assert shown in message
     assert "must build its optimizer and model with the same settings" in message
+
+
+def test_a_streaming_diloco_schedule_disagreement_is_named():
+    def settings(sync_delay):
+        optimizer = tf_agn.optimizers.StreamingDiLoCo(
+            keras.optimizers.SGD(), local_steps=6, num_fragments=2, sync_delay=sync_delay
+        )
+        return agreement.optimizer_settings(
+            tf_agn.AggregationMethod.MEAN, None, ("local_steps", 6), [],
+            schedule=optimizer._commit_schedule(),
+        )
+
+    message = agreement.disagreement(
+        settings(1), [codes(settings(1)), codes(settings(2))], "optimizer and model"
+    )
+    assert message.startswith("Workers disagree on sync_delay: worker 0 has 1, worker 1 has 2.")
 
 
 def test_workers_compressing_differently_both_fail_naming_it():

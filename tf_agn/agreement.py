@@ -100,12 +100,13 @@ def strategy_settings(ops, devices):
     ]
 
 
-def optimizer_settings(method, compressor, window, variables, sparse=None):
+def optimizer_settings(method, compressor, window, variables, sparse=None, schedule=()):
     """The `Setting`s an optimizer's collectives depend on.
 
     `window` is `(name, steps)` (`gradient_accumulation_steps` or
     `local_steps`); `sparse` says, per variable, whether it is declared to
-    have sparse gradients.
+    have sparse gradients; `schedule` holds more `(name, int)` settings of
+    when collectives run.
     """
     window_name, steps = window
     shapes = [(tuple(v.shape), str(v.dtype)) for v in variables]
@@ -114,6 +115,7 @@ def optimizer_settings(method, compressor, window, variables, sparse=None):
         _method_setting("aggregation_method", method),
         *compression_settings(compressor),
         Setting(window_name, steps or 0, str),
+        *[Setting(name, value, str) for name, value in schedule],
         Setting("trainable variables", len(shapes), str),
         Setting("trainable variable shapes and dtypes", _crc(shapes), _code_text),
         Setting("variables with sparse gradients", _crc(declared), _code_text),
@@ -194,7 +196,9 @@ def check_agreement(ops, devices, timeout_seconds):
     _check(strategy_settings(ops, devices), ops, devices, timeout_seconds, "strategy")
 
 
-def check_optimizer_agreement(optimizer, method, compressor, window, variables, sparse=None):
+def check_optimizer_agreement(
+    optimizer, method, compressor, window, variables, sparse=None, schedule=()
+):
     """`check_agreement` for `optimizer_settings`; does nothing without
     tf_agn's ops or on one worker. Call it in `build` before any variable."""
     # Each new variable is broadcast from the chief: differing variables
@@ -207,7 +211,7 @@ def check_optimizer_agreement(optimizer, method, compressor, window, variables, 
     # are drawn when a collective runs, so they stay matched across workers.
     with tf.init_scope():
         _check(
-            optimizer_settings(method, compressor, window, variables, sparse),
+            optimizer_settings(method, compressor, window, variables, sparse, schedule),
             ops,
             strategy.extended.worker_devices,
             ops.options.timeout_seconds,

@@ -121,6 +121,9 @@ class StreamingDiLoCo(WindowedOptimizer):
             for v in (var_list if self.sync_delay else ())
         ]
 
+    def _commit_schedule(self):
+        return (("num_fragments", self.num_fragments), ("sync_delay", self.sync_delay))
+
     def apply(self, grads, trainable_variables=None):
         self._record_applied(trainable_variables)
         if self.sync_delay:

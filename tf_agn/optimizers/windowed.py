@@ -113,6 +113,7 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             self.compressor,
             ("local_steps", self.local_steps),
             var_list,
+            schedule=self._commit_schedule(),
         )
         super().build(var_list)
         # Not an assign: built while tracing, it would land in that graph only.
@@ -125,6 +126,11 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         self.outer_optimizer.build(self._centers)
         self._communication = CommunicationCounter(self)
         self._compression_state = add_compressor_state(self, var_list, self.compressor)
+
+    def _commit_schedule(self):
+        """Settings besides `local_steps` that decide which step commits
+        what, as `(name, int)` pairs every worker must share."""
+        return ()
 
     @property
     def variables(self):
