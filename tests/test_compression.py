@@ -66,7 +66,7 @@ def test_get_maps_names_and_passes_compressors_through():
     assert compression.get("FP16") is compression.FP16  # any case, as methods
     custom = Float16Scaled()
     assert compression.get(custom) is custom
-    assert tf_agn.AggregatingAllReduce(compression="fp16").compressor is compression.FP16
+    assert tf_agn.AggregatingAllReduce(compression="fp16").default_compressor is compression.FP16
 
 
 @pytest.mark.parametrize("bad", ["fp8", "int4", 16, tf.float16])

@@ -107,7 +107,7 @@ def test_deep_copy_of_a_strategy_reduces_like_the_original(transport):
     copied_ops = _compat.cross_device_ops(copied.extended)
     assert type(copied_ops) is type(ops) and copied_ops is not ops
     settings = lambda o: (  # noqa: E731
-        o.aggregation, o.bytes_per_pack, o.compressor.name, o.jit_compile,
+        o.default_aggregation, o.bytes_per_pack, o.default_compressor.name, o.jit_compile,
         o.transport_name, o.num_workers, o.worker_index, o.options.bytes_per_pack,
     )
     assert settings(copied_ops) == settings(ops)

@@ -165,7 +165,7 @@ class StreamingDiLoCo(WindowedOptimizer):
         return aggregate(
             [self.commit_delta(built[i], self._centers[i]) for i in indices],
             self.aggregation,
-            compressor=self.resolved_compression,
+            compressor=self.compressor,
             state=[self._compression_state[i] for i in indices],
             step=self.outer_optimizer.iterations,
             counter=self._communication,
