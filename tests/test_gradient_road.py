@@ -29,8 +29,10 @@ from conftest import DEVICES
 from tf_agn import packing
 from tf_agn.transports import local
 
-# Issue 39 asks 6. Today's widest roads cross 8: int8 through
-# DistributedOptimizer or with accumulation, on the collective transport.
+# Issue 39 asks 6. Today's widest road crosses 8: sharded state with
+# accumulation on the collective transport (aggregating, accumulation,
+# sharded_step, replica_aggregation, combining, packing, the transport and
+# its group); one step object per kind of step is what remains.
 MAX_MODULES = 8
 # (configuration, transport, module) for each module a road enters twice
 # today; issue 39 asks for none. A new re-entry fails, and so does one fixed

@@ -1,7 +1,9 @@
 """tf_agn: control how gradients from many replicas are combined.
 
 A gradient's road: a tf_agn optimizer (`tf_agn.optimizers`) calls
-`tf_agn.aggregate` (replica_aggregation.py) in replica context;
+`tf_agn.aggregate` (replica_aggregation.py) in replica context, or
+`reduce_scatter`/`all_gather`/`all_to_all` there for sharded state; all of
+them meet the local replicas in one `merge_call`, where
 `combining.combine_replicas` routes the values to a transport's collective
 patterns (`tf_agn/transports/`), through a compressor where one acts
 (`tf_agn/compression/`), each replica weighted as its aggregation method
@@ -9,9 +11,11 @@ says (aggregation.py). `AggregatingAllReduce` (cross_device_ops.py) takes
 TensorFlow's own callers down the same road.
 
 A new collective pattern is a method of each transport in
-`tf_agn/transports/`; a new compressor is a class in `tf_agn/compression/`;
-a new aggregation method is a member of `AggregationMethod`, with its
-replicas' weights, in `tf_agn/aggregation.py`.
+`tf_agn/transports/`, routed in `combining.combine_replicas`; a new
+compressor is a subclass of `tf_agn.compression.Compressor` (`Cast` for
+one that acts element by element), which callers only ask; a new
+aggregation method is a member of `AggregationMethod`, with its replicas'
+weights (`aggregation.sum_weights`), in `tf_agn/aggregation.py`.
 """
 
 import os as _os
