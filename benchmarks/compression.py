@@ -500,7 +500,8 @@ def codec_fn(name, values, scale):
     states = []
     for value in values:
         state = {}
-        for key, spec in compressor.state_spec(value.shape).items():
+        specs = {} if compressor is None else compressor.state_spec(value.shape)
+        for key, spec in specs.items():
             initial = spec.initializer if callable(spec.initializer) else tf.zeros
             state[key] = tf.Variable(initial(spec.shape, tf.float32))
         states.append(state)
@@ -510,6 +511,9 @@ def codec_fn(name, values, scale):
     def combine():
         read = [{key: v.read_value() for key, v in state.items()} for state in states]
         current = [value.read_value() for value in values]
+        if compressor is None:
+            (combined,) = packing.all_reduce_packs(transport, [current], lambda dtype: [scale])
+            return checksum(combined)
         (combined,), (new,), _ = compressor.combine(transport, [current], [read], [scale])
         for state, kept in zip(states, new):
             for key, variable in state.items():

@@ -344,7 +344,7 @@ def aggregate_method_results(strategy):
             for method in tf_agn.AggregationMethod.names():
                 results = replica_aggregate.aggregate(
                     strategy, method, values, value_scale=0.5,
-                    compressor=ops[compression].compressor,
+                    compressor=ops[compression].default_compressor,
                 )
                 for i, value in enumerate(results):
                     (local,) = strategy.experimental_local_results(value)
