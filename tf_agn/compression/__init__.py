@@ -2,9 +2,10 @@
 
 Pass `compression=` to any tf_agn optimizer, to
 `tf_agn.optimizers.DistributedOptimizer`, or to a strategy builder:
-None, "fp16", "bf16", "int8", `Int8(...)` or `PowerSGD(rank=r)`. Only what
-tf_agn's optimizers aggregate is compressed; TensorFlow's own reductions
-(`strategy.reduce`, metrics, Keras's optimizers) stay exact. Every
+None, "fp16", "bf16", "int8", "int4", `Int8(...)`, `Int4(...)` or
+`PowerSGD(rank=r)`. Only what tf_agn's optimizers aggregate is compressed;
+TensorFlow's own reductions (`strategy.reduce`, metrics, Keras's
+optimizers) stay exact. Every
 compressor implements `Compressor`; a user's own subclasses `Cast` (element
 by element) or `ErrorFeedbackCompressor` (with per-replica state) and is
 registered with `keras.saving.register_keras_serializable`.
@@ -18,18 +19,19 @@ from tf_agn.compression.cast import Cast
 from tf_agn.compression.compressor import Compressor
 from tf_agn.compression.compressor import StateSpec
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
+from tf_agn.compression.int8 import Int4
 from tf_agn.compression.int8 import Int8
 from tf_agn.compression.powersgd import PowerSGD
 
 # Fresh objects: stateful compressors' compiled functions are cached per object.
-BY_NAME = {"fp16": lambda: FP16, "bf16": lambda: BF16, "int8": Int8}
+BY_NAME = {"fp16": lambda: FP16, "bf16": lambda: BF16, "int8": Int8, "int4": Int4}
 
 
 def get(identifier):
     """The compressor `identifier` names.
 
     Args:
-        identifier: None (no compression), "fp16", "bf16", "int8", a
+        identifier: None (no compression), "fp16", "bf16", "int8", "int4", a
             `Compressor`, or the config dict `serialize` made of one.
 
     Returns:
@@ -56,7 +58,8 @@ def serialize(compressor):
     """What `get` turns back into `compressor`: None, a name, or a config dict."""
     if compressor is None or isinstance(compressor, Cast) and compressor.name in BY_NAME:
         return name_of(compressor)
-    if isinstance(compressor, Int8) and compressor.get_config() == Int8().get_config():
+    named = BY_NAME.get(name_of(compressor))
+    if type(compressor) is named and compressor.get_config() == named().get_config():
         return compressor.name
     return keras.saving.serialize_keras_object(compressor)
 

@@ -1,6 +1,7 @@
-"""`Int8`: values travel as 8-bit integers with a float32 scale per chunk.
+"""`Int8` and `Int4`: values travel as 8- or 4-bit integers with a float32
+scale per chunk.
 
-The sum is never taken in int8 (different scales; overflow past a few
+The sum is never taken in integers (different scales; overflow past a few
 replicas): each pack is reduced as a ring all-reduce is. Every replica
 quantizes its pack plus residual and sends part j to replica j (an
 all-to-all: TensorFlow's CPU collectives have no reduce-scatter); replica
@@ -8,9 +9,11 @@ j sums its n copies in float32 and quantizes the sum (that error joins its
 residual); the quantized sums are all-gathered. Every replica ends with
 the same bits.
 
-Quantization is symmetric per chunk: scale = max |x| / 127. A non-finite
-element makes its chunk NaN, so the step is skipped as non-finite.
-TensorFlow's collectives do not carry int8: four codes travel as one int32.
+Quantization is symmetric per chunk: scale = max |x| / L, with L = 127
+for 8 bits and 7 for 4 (L = 2^(b-1) - 1). A non-finite element makes its
+chunk NaN, so the step is skipped as non-finite. TensorFlow's collectives
+do not carry int8: 32/b codes travel as one int32 (two 4-bit codes share a
+byte).
 """
 
 import collections
@@ -25,9 +28,6 @@ from tf_agn.compression.compressor import each_finite
 from tf_agn.compression.compressor import num_elements
 from tf_agn.compression.error_feedback import ErrorFeedbackCompressor
 from tf_agn.compression.error_feedback import compiled
-
-_LEVELS = 127.0
-
 
 @keras.saving.register_keras_serializable(package="tf_agn")
 class Int8(ErrorFeedbackCompressor):
@@ -44,16 +44,19 @@ class Int8(ErrorFeedbackCompressor):
     """
 
     name = "int8"
+    bits = 8  # of a code; `Int4`'s 4
     patterns = {"all_reduce": ("reduce_scatter", "all_gather"), "reduce_scatter": ("all_to_all",)}
 
     def __init__(self, chunk_size=512, error_feedback=True, start_step=0):
         super().__init__(error_feedback, start_step)
+        codes_per_word = 32 // self.bits
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or (
-            chunk_size <= 0 or chunk_size % 4
+            chunk_size <= 0 or chunk_size % codes_per_word
         ):
             raise ValueError(
-                "chunk_size must be a positive multiple of 4 (four int8 codes "
-                f"travel as one int32); received {chunk_size!r}."
+                f"chunk_size must be a positive multiple of {codes_per_word} "
+                f"({codes_per_word} {self.name} codes travel as one int32); "
+                f"received {chunk_size!r}."
             )
         self.chunk_size = chunk_size
 
@@ -75,7 +78,8 @@ class Int8(ErrorFeedbackCompressor):
         """
         sizes = [(tf.float32, num_elements(v)) for v in values]
         return sum(
-            layout.wire_bytes for _, layout in _plan(sizes, num_replicas, self.chunk_size, bytes_per_pack)
+            layout.wire_bytes
+            for _, layout in _plan(sizes, num_replicas, self.chunk_size, self.bits, bytes_per_pack)
         )
 
     def get_config(self):
@@ -88,8 +92,9 @@ class Int8(ErrorFeedbackCompressor):
         length = flat.shape[0]
         padded = -(-length // self.chunk_size) * self.chunk_size
         flat = tf.pad(flat, [[0, padded - length]])
-        codes, scales = quantize(tf.reshape(flat, [-1, self.chunk_size]))
-        payload = (tf.reshape(codes, [-1])[:length], scales)
+        codes, scales = quantize(tf.reshape(flat, [-1, self.chunk_size]), self.bits)
+        code_bytes = -(-length * self.bits // 8)
+        payload = (_to_bytes(tf.reshape(codes, [-1]), self.bits)[:code_bytes], scales)
         if not self.error_feedback:
             return payload, {}
         error = flat - tf.reshape(dequantize(codes, scales), [-1])
@@ -99,7 +104,8 @@ class Int8(ErrorFeedbackCompressor):
         codes, scales = payload
         length = shape.num_elements()
         padded = -(-length // self.chunk_size) * self.chunk_size
-        codes = tf.reshape(tf.pad(codes, [[0, padded - length]]), [-1, self.chunk_size])
+        codes = _from_bytes(tf.pad(codes, [[0, padded * self.bits // 8 - codes.shape[0]]]), self.bits)
+        codes = tf.reshape(codes, [-1, self.chunk_size])
         flat = tf.reshape(dequantize(codes, scales), [-1])
         return tf.cast(tf.reshape(flat[:length], shape), dtype)
 
@@ -108,7 +114,9 @@ class Int8(ErrorFeedbackCompressor):
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        for pack, layout in _plan(sizes, transport.size, self.chunk_size, transport.bytes_per_pack):
+        for pack, layout in _plan(
+            sizes, transport.size, self.chunk_size, self.bits, transport.bytes_per_pack
+        ):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
@@ -150,31 +158,63 @@ class Int8(ErrorFeedbackCompressor):
     def encode_rows(self, rows, residual_rows=None):
         """Each row ([n, length] float32) plus its residual, padded to whole
         chunks and quantized, as one int32 buffer of n rows."""
-        layout = _rows_layout(*rows.shape, self.chunk_size)
+        layout = _rows_layout(*rows.shape, self.chunk_size, self.bits)
         if residual_rows is not None:
             rows += residual_rows
         padding = layout.part_length - rows.shape[1]
         flat = tf.reshape(tf.pad(rows, [[0, 0], [0, padding]]), [-1])
-        codes, scales = _quantize_flat(flat, self.chunk_size)
-        wire, error = _encode(flat, codes, scales, layout.parts, self.error_feedback)
+        codes, scales = _quantize_flat(flat, self.chunk_size, self.bits)
+        wire, error = _encode(flat, codes, scales, layout.parts, self.bits, self.error_feedback)
         if error is not None:
             error = tf.reshape(error, [layout.parts, -1])[:, : rows.shape[1]]
         return wire, error
 
     def decode_rows(self, received, length, dtype):
         """The float32 sum of the n rows that the all-to-all delivered."""
-        layout = _rows_layout(received.shape[0], length, self.chunk_size)
+        layout = _rows_layout(received.shape[0], length, self.chunk_size, self.bits)
         return tf.cast(_sum_part(received, layout)[:length], dtype)
 
     def _quantized(self, flat, rows, jit_compile, device):
         """`flat` quantized as an int32 buffer of `rows` rows, and what
         quantization dropped (None without error feedback)."""
-        codes, scales = compiled(_quantize_flat, jit_compile, device)(flat, self.chunk_size)
-        return compiled(_encode, jit_compile, device)(flat, codes, scales, rows, self.error_feedback)
+        codes, scales = compiled(_quantize_flat, jit_compile, device)(flat, self.chunk_size, self.bits)
+        return compiled(_encode, jit_compile, device)(
+            flat, codes, scales, rows, self.bits, self.error_feedback
+        )
 
 
-class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size"])):
-    """How a pack of `length` elements is padded and split into `parts`."""
+@keras.saving.register_keras_serializable(package="tf_agn")
+class Int4(Int8):
+    """4-bit integers (levels ±7) with a scale per chunk, and error feedback.
+
+    `Int8` with codes of 4 bits, eight to an int32: half of int8's code
+    bytes, with 18 times coarser steps. For values that tolerate coarse
+    rounding, such as DiLoCo's and Streaming DiLoCo's outer gradients.
+
+    ```python
+    optimizer = tf_agn.optimizers.StreamingDiLoCo(
+        keras.optimizers.AdamW(1e-3), local_steps=8, num_fragments=2,
+        compression=tf_agn.compression.Int4(chunk_size=256),  # or "int4"
+    )
+    ```
+
+    Args:
+        chunk_size: the elements that share one float32 scale; a multiple
+            of 8.
+        error_feedback: see `tf_agn.compression.ErrorFeedbackCompressor`.
+        start_step: see `tf_agn.compression.ErrorFeedbackCompressor`.
+
+    Raises:
+        ValueError: for a `chunk_size` that is not a positive multiple of 8.
+    """
+
+    name = "int4"
+    bits = 4
+
+
+class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size", "bits"])):
+    """How a pack of `length` elements is padded and split into `parts`,
+    as codes of `bits` bits."""
 
     @property
     def padded(self):
@@ -194,27 +234,31 @@ class _Layout(collections.namedtuple("_Layout", ["length", "parts", "chunk_size"
         """The bytes of one replica's buffer: codes and scales; to a single
         receiver, the codes unpadded."""
         codes = self.length if self.parts == 1 else self.padded
-        return codes + 4 * self.parts * self.chunks_per_part
+        return -(-codes * self.bits // 8) + 4 * self.parts * self.chunks_per_part
 
 
-def _plan(sizes, parts, chunk_size, bytes_per_pack=None):
+def _plan(sizes, parts, chunk_size, bits, bytes_per_pack=None):
     """The packs of values of `sizes`, each as its indices and `_Layout`;
     with no `bytes_per_pack`, each value alone."""
     packs = [[i] for i in range(len(sizes))] if bytes_per_pack is None else (
         packing.plan_packs(sizes, bytes_per_pack)
     )
-    return [(pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size)) for pack in packs]
+    return [
+        (pack, _Layout(sum(sizes[i][1] for i in pack), parts, chunk_size, bits)) for pack in packs
+    ]
 
 
-def _rows_layout(num_rows, length, chunk_size):
+def _rows_layout(num_rows, length, chunk_size, bits):
     """How `Int8.encode_rows` pads n rows of `length`: each to whole chunks."""
     padded = -(-length // chunk_size) * chunk_size
-    return _Layout(num_rows * padded, num_rows, chunk_size)
+    return _Layout(num_rows * padded, num_rows, chunk_size, bits)
 
 
-def quantize(chunks):
-    """Symmetric int8 codes (within ±127) and float32 scales of `chunks`
-    ([n, chunk]); a chunk with a non-finite element gets a NaN scale."""
+def quantize(chunks, bits=8):
+    """Symmetric codes of `bits` bits (within ±(2^(bits-1) - 1), as int8) and
+    float32 scales of `chunks` ([n, chunk]); a chunk with a non-finite
+    element gets a NaN scale."""
+    levels = float(2 ** (bits - 1) - 1)
     # Non-finite counts as infinite: a maximum may skip NaN, and a NaN cast
     # to int8 is undefined, so a NaN could otherwise arrive finite.
     magnitudes = tf.reduce_max(
@@ -222,11 +266,11 @@ def quantize(chunks):
     )
     finite = tf.math.is_finite(magnitudes)
     # TensorFlow flushes subnormal floats to zero on CPUs.
-    steps = tf.maximum(magnitudes / _LEVELS, np.finfo(np.float32).tiny)
+    steps = tf.maximum(magnitudes / levels, np.finfo(np.float32).tiny)
     scales = tf.where(finite, steps, float("nan"))
     codes = tf.where(finite[:, None], tf.round(chunks / scales[:, None]), 0.0)
     # The cast to int8 wraps (a kept subnormal step can give 128).
-    return tf.cast(tf.clip_by_value(codes, -_LEVELS, _LEVELS), tf.int8), scales
+    return tf.cast(tf.clip_by_value(codes, -levels, levels), tf.int8), scales
 
 
 def dequantize(codes, scales):
@@ -234,17 +278,48 @@ def dequantize(codes, scales):
     return tf.cast(codes, tf.float32) * scales[:, None]
 
 
-def _to_wire(codes, scales, rows):
-    """Codes and scales as one int32 buffer of `rows` rows."""
-    code_words = tf.bitcast(tf.reshape(codes, [rows, -1, 4]), tf.int32)
+def _to_bytes(codes, bits):
+    """Flat int8 `codes` of `bits` bits, 8 / `bits` to a byte, the first in
+    the lowest bits."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    fields = tf.reshape(tf.cast(codes, tf.int32), [-1, per_byte])
+    # The lower fields' two's-complement bits, shifted by multiplying; the
+    # top field keeps its sign, so that the byte lies within int8's range.
+    shifts = tf.constant([2 ** (bits * k) for k in range(per_byte - 1)])
+    lower = tf.bitwise.bitwise_and(fields[:, :-1], 2**bits - 1) * shifts
+    top = fields[:, -1] * 2 ** (bits * (per_byte - 1))
+    return tf.cast(tf.reduce_sum(lower, axis=1) + top, tf.int8)
+
+
+def _from_bytes(packed, bits):
+    """The flat int8 codes of `bits` bits that `_to_bytes` packed."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    shifts = tf.constant([bits * k for k in range(per_byte)])
+    fields = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.cast(packed, tf.int32)[:, None], shifts), 2**bits - 1
+    )
+    # Two's complement: fields past the largest code are negative.
+    codes = tf.where(fields >= 2 ** (bits - 1), fields - 2**bits, fields)
+    return tf.cast(tf.reshape(codes, [-1]), tf.int8)
+
+
+def _to_wire(codes, scales, rows, bits):
+    """Codes of `bits` bits and scales as one int32 buffer of `rows` rows."""
+    code_bytes = _to_bytes(tf.reshape(codes, [-1]), bits)
+    code_words = tf.bitcast(tf.reshape(code_bytes, [rows, -1, 4]), tf.int32)
     scale_words = tf.bitcast(tf.reshape(scales, [rows, -1]), tf.int32)
     return tf.concat([code_words, scale_words], axis=1)
 
 
 def _from_wire(wire, layout):
     """The codes ([chunks, chunk_size]) and scales of a buffer's rows."""
-    code_words = layout.part_length // 4
-    codes = tf.bitcast(wire[:, :code_words], tf.int8)
+    code_words = layout.part_length * layout.bits // 32
+    code_bytes = tf.bitcast(wire[:, :code_words], tf.int8)
+    codes = _from_bytes(tf.reshape(code_bytes, [-1]), layout.bits)
     scales = tf.bitcast(wire[:, code_words:], tf.float32)
     return (
         tf.reshape(codes, [-1, layout.chunk_size]),
@@ -264,14 +339,14 @@ def _pack(tensors, residuals, scale, layout):
     return tf.pad(flat, [[0, layout.padded - layout.length]])
 
 
-def _quantize_flat(flat, chunk_size):
-    return quantize(tf.reshape(flat, [-1, chunk_size]))
+def _quantize_flat(flat, chunk_size, bits):
+    return quantize(tf.reshape(flat, [-1, chunk_size]), bits)
 
 
-def _encode(flat, codes, scales, rows, with_error):
+def _encode(flat, codes, scales, rows, bits, with_error):
     """Quantized `flat` as an int32 buffer of `rows` rows, and (if
     `with_error`) what quantization dropped, else None."""
-    wire = _to_wire(codes, scales, rows)
+    wire = _to_wire(codes, scales, rows, bits)
     if not with_error:
         return wire, None
     return wire, flat - tf.reshape(dequantize(codes, scales), [-1])
