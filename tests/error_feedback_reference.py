@@ -1,9 +1,9 @@
-"""numpy references of int8 and PowerSGD with error feedback, and a check
+"""numpy references of int8 (and int4) and PowerSGD with error feedback, and a check
 that runs `AggregatingAllReduce.aggregate` against them.
 
 The references follow the papers' algorithms step by step, in numpy,
 independently of the TensorFlow code: PowerSGD in float64 (Vogels et al.
-2019, Algorithms 1 and 2), int8 in float32 as the wire carries it.
+2019, Algorithms 1 and 2), int8 and int4 in float32 as the wire carries them.
 tests/test_error_feedback.py runs `check` on logical CPUs;
 tests/gpu_worker.py on GPUs.
 """
@@ -14,26 +14,30 @@ import tensorflow as tf
 import placed_values
 import replica_aggregate
 
-LEVELS = np.float32(127)
-
-
-def quantize_roundtrip(flat, chunk_size):
-    """What int8 with one scale per chunk makes of `flat` (float32, a
-    multiple of `chunk_size` long)."""
-    chunks = flat.reshape(-1, chunk_size)
+def quantize(chunks, bits=8):
+    """The symmetric codes (within ±(2^(bits-1) - 1), as float32) and the
+    float32 scales of finite `chunks` ([n, chunk_size])."""
+    levels = np.float32(2 ** (bits - 1) - 1)
     # Steps below the smallest normal float32 would be flushed to zero.
-    scales = np.maximum(np.abs(chunks).max(axis=1) / LEVELS, np.finfo(np.float32).tiny)
-    codes = np.clip(np.round(chunks / scales[:, None]), -LEVELS, LEVELS)
+    scales = np.maximum(np.abs(chunks).max(axis=1) / levels, np.finfo(np.float32).tiny)
+    return np.clip(np.round(chunks / scales[:, None]), -levels, levels), scales
+
+
+def quantize_roundtrip(flat, chunk_size, bits=8):
+    """What `bits`-bit integers with one scale per chunk make of `flat`
+    (float32, a multiple of `chunk_size` long)."""
+    codes, scales = quantize(flat.reshape(-1, chunk_size), bits)
     return (codes * scales[:, None]).astype(np.float32).reshape(-1)
 
 
-def int8_reference(values, residuals, chunk_size):
-    """One int8 aggregation of one pack.
+def int8_reference(values, residuals, chunk_size, bits=8):
+    """One int8 (or, with `bits=4`, int4) aggregation of one pack.
 
     Args:
         values: for each replica, its scaled values, flat float32.
         residuals: for each replica, its residuals, flat float32.
         chunk_size: the elements that share a scale.
+        bits: the bits of a code.
 
     Returns:
         `(applied, new_residuals)`: the sum every replica receives, and
@@ -44,12 +48,12 @@ def int8_reference(values, residuals, chunk_size):
     padded = -(-length // unit) * unit
     part = padded // n
     sent = [np.pad(v + e, (0, padded - length)).astype(np.float32) for v, e in zip(values, residuals)]
-    restored = [quantize_roundtrip(s, chunk_size) for s in sent]
+    restored = [quantize_roundtrip(s, chunk_size, bits) for s in sent]
     total = np.zeros(padded, np.float32)
     for r in restored:
         total += r
     applied = np.concatenate(
-        [quantize_roundtrip(total[j * part : (j + 1) * part], chunk_size) for j in range(n)]
+        [quantize_roundtrip(total[j * part : (j + 1) * part], chunk_size, bits) for j in range(n)]
     )
     new = []
     for w in range(n):
