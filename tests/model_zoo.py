@@ -288,7 +288,7 @@ COLUMNS = {
 REFUSED = [
     ({"shard": True, "aggregation": "only_first_replica"}, "aggregation ONLY_FIRST_REPLICA"),
     ({"shard": True, "aggregation": "none"}, "aggregation NONE"),
-    ({"shard": True, "compression": "powersgd"}, r"compression='powersgd', which carries no reduce-scatter \(fp16, bf16 and int8 shard"),
+    ({"shard": True, "compression": "powersgd"}, r"compression='powersgd', which carries no reduce-scatter \(fp16, bf16, int8 and int4 shard"),
     ({"agn": True, "accumulation": ACCUMULATION}, "takes no gradient_accumulation_steps"),
     # AGN's inner optimizer steps locally (NONE), which does not shard.
     ({"agn": True, "shard": True}, "aggregation NONE"),

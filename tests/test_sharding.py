@@ -361,7 +361,7 @@ def test_int8_trains_as_uncompressed_and_starts_at_its_start_step(accumulation):
 
 
 def test_compression_and_stock_strategies_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"compression='powersgd', which carries no reduce-scatter \(fp16, bf16 and int8 shard"):
+    with pytest.raises(ValueError, match=r"compression='powersgd', which carries no reduce-scatter \(fp16, bf16, int8 and int4 shard"):
         build(
             tf_agn.strategies.mirrored(DEVICES),
             lambda: tf_agn.optimizers.SGD(

@@ -64,8 +64,8 @@ def check_shardable(optimizer, method, compressor):
         problems.append(f"aggregation {method.name} (SUM and MEAN shard)")
     if compressor is not None and "reduce_scatter" not in compressor.patterns:
         problems.append(
-            f"compression={compressor.name!r}, which carries no reduce-scatter (fp16, bf16 "
-            "and int8 shard; PowerSGD's factors need whole matrices on every replica)"
+            f"compression={compressor.name!r}, which carries no reduce-scatter (fp16, bf16, "
+            "int8 and int4 shard; PowerSGD's factors need whole matrices on every replica)"
         )
     if optimizer.use_ema:
         problems.append("use_ema=True (not yet with sharding)")

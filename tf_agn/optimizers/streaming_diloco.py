@@ -13,7 +13,7 @@ from tf_agn.replica_aggregation import aggregate
 
 @keras.saving.register_keras_serializable(package="tf_agn")
 class StreamingDiLoCo(WindowedOptimizer):
-    """Streaming DiLoCo (Douillard et al., 2025), without its 4-bit exchanges.
+    """Streaming DiLoCo (Douillard et al., 2025).
 
     DiLoCo whose weights are split into F = `num_fragments` fragments, each
     synchronized at its own step of every window of H = `local_steps`, so
@@ -67,7 +67,9 @@ class StreamingDiLoCo(WindowedOptimizer):
             DiLoCo's `SGD(0.7, momentum=0.9, nesterov=True)` (torchft has
             none).
         aggregation_method: how the replicas' Δ are combined.
-        compression: how the Δ travel: as `WindowedOptimizer`'s.
+        compression: how the Δ travel: as `WindowedOptimizer`'s; "int4"
+            for the paper's 4-bit exchanges (as integers, not its E3M0
+            floats).
         name: the optimizer's name.
 
     Raises:
