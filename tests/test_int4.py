@@ -1,7 +1,8 @@
 """int4 (`tf_agn.compression.Int4`, int8's compressor with 4-bit codes)
 against numpy: codes, scales and the int32 words they travel in, the
 all-reduce and every replica's residual on both transports, the bytes, a
-`.keras` round trip, and Streaming DiLoCo's outer gradients.
+`.keras` round trip, stock strategies and XLA, and Streaming DiLoCo's
+outer gradients.
 
 Sharded state's rows are checked with int8's in tests/test_sharding.py.
 """
@@ -18,6 +19,10 @@ from compression_model import data
 from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from mlp import LEARNING_RATE
+from test_any_strategy import SimulatedReplicas
+from test_any_strategy import local_transport_change
+from test_any_strategy import reduction_to_one_device
+from test_any_strategy import weight_change
 from test_communication import BYTES_PER_PACK
 from test_communication import RecordingTransport
 from test_communication import initial_states
@@ -192,6 +197,39 @@ def test_names_configs_and_a_keras_file(tmp_path):
     assert len(saved) == len(restored) == 4 and np.abs(saved[0]).max() > 0
     for got, want in zip(restored, saved, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_a_stock_strategy_gives_the_local_transports_weights_bitwise():
+    """Without tf_agn's ops the reduce-scatter is an all-gather of the same
+    codes, summed in the same order, as for int8 (tests/test_any_strategy.py)."""
+    want, want_stats = local_transport_change("int4")
+    got, stats = weight_change(reduction_to_one_device(), "int4")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert stats["bytes_sent"] == want_stats["bytes_sent"]
+
+
+def test_the_replica_side_work_compiles_with_xla():
+    """Packing codes into bytes and back, compiled whole, as a TPU compiles
+    the step, gives the eager result."""
+    size, shapes, compressor = 3, [(40, 24), (24,), (7, 5)], compression.Int4(chunk_size=64)
+    rng = np.random.default_rng(0)
+    values = [[tf.constant(rng.normal(size=s), tf.float32) for s in shapes] for _ in range(size)]
+    states = [[{"residual": tf.zeros(s)} for s in shapes] for _ in range(size)]
+
+    def step():
+        return combine_replicas(
+            SimulatedReplicas(size), AggregationMethod.MEAN, values, compressor=compressor, states=states
+        )
+
+    eager, compiled = step(), tf.function(step, jit_compile=True)()
+    for got, want in zip(tf.nest.flatten(compiled), tf.nest.flatten(eager), strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    # What the replicas owe plus what they received is what they sent.
+    for i in range(len(shapes)):
+        sent = sum(v[i].numpy() for v in values) / size
+        owed = sum(eager[1][r][i]["residual"].numpy() for r in range(size))
+        np.testing.assert_allclose(eager[0][0][i].numpy() + owed, sent, atol=1e-5)
 
 
 def test_streaming_diloco_trains_with_4_bit_outer_gradients_near_float32():
