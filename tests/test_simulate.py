@@ -363,10 +363,12 @@ def wide_dataset_fn(input_context):
     [
         # int8: 256 + 8 codes, one float32 scale per 16 (the bias: one).
         (tf_agn.compression.Int8(chunk_size=16), 256 + 16 * 4 + 8 + 4),
+        # int4: the same codes, two to a byte.
+        (tf_agn.compression.Int4(chunk_size=16), 256 // 2 + 16 * 4 + 8 // 2 + 4),
         # Rank 1: (32 + 8) floats for the kernel; the bias whole.
         (tf_agn.compression.PowerSGD(rank=1), (32 + 8) * 4 + 8 * 4),
     ],
-    ids=["int8", "powersgd"],
+    ids=["int8", "int4", "powersgd"],
 )
 def test_compressed_commit_loses_nothing_it_does_not_keep(compressor, want_bytes):
     """One worker, one window: the center that received the compressed

@@ -44,7 +44,7 @@ class Int8(ErrorFeedbackCompressor):
     """
 
     name = "int8"
-    bits = 8  # of a code; `Int4`'s 4
+    bits = 8  # per code
     patterns = {"all_reduce": ("reduce_scatter", "all_gather"), "reduce_scatter": ("all_to_all",)}
 
     def __init__(self, chunk_size=512, error_feedback=True, start_step=0):
@@ -104,7 +104,8 @@ class Int8(ErrorFeedbackCompressor):
         codes, scales = payload
         length = shape.num_elements()
         padded = -(-length // self.chunk_size) * self.chunk_size
-        codes = _from_bytes(tf.pad(codes, [[0, padded * self.bits // 8 - codes.shape[0]]]), self.bits)
+        code_bytes = -(-length * self.bits // 8)
+        codes = _from_bytes(tf.pad(codes, [[0, padded * self.bits // 8 - code_bytes]]), self.bits)
         codes = tf.reshape(codes, [-1, self.chunk_size])
         flat = tf.reshape(dequantize(codes, scales), [-1])
         return tf.cast(tf.reshape(flat[:length], shape), dtype)
