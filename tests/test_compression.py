@@ -69,13 +69,13 @@ def test_get_maps_names_and_passes_compressors_through():
     assert tf_agn.AggregatingAllReduce(compression="fp16").default_compressor is compression.FP16
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int4", 16, tf.float16])
+@pytest.mark.parametrize("bad", ["fp8", "int2", 16, tf.float16])
 def test_get_names_the_bad_value_and_the_allowed_ones(bad):
     with pytest.raises(ValueError, match="Unknown compression") as error:
         compression.get(bad)
     message = str(error.value)
     assert repr(bad) in message
-    for allowed in ("None", "'fp16'", "'bf16'", "'int8'", "PowerSGD", "Compressor"):
+    for allowed in ("None", "'fp16'", "'bf16'", "'int8'", "'int4'", "PowerSGD", "Compressor"):
         assert allowed in message
 
 
