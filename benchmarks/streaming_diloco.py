@@ -69,21 +69,26 @@ e. (the link's check) `diloco` runs below `MAX_DILOCO_THROUGHPUT` (85%) as
 machine run the throughput mode in a namespace of its own, where nothing
 else uses loopback (and no other run's `tc` qdisc is in the way):
 
-    unshare --net sh -c 'ip link set lo up && python benchmarks/streaming_diloco.py \
-        --mode=throughput --link_mbit=40'
+    unshare --net sh -c 'ip link set lo up && python benchmarks/streaming_diloco.py ...'
 
 With `--out=PATH`, worker 0 writes `PATH.json` (flags and results) and, in
 quality mode and with matplotlib installed, `PATH.png`: the held-out loss
 against steps and against training seconds, one line per method.
 
-Durations on 2 busy CPU cores: a smoke run (the test's flags) takes about
-40 s, most of it start-up and tracing. The full quality run is about 300
-steps of each method; ... (measured below, to be filled in).
+Durations on the 2 shared CPU cores (load average about 5), measured on
+short runs and extrapolated: 96 steps of each method in quality mode took
+2 minutes, so a full quality run (sync reaches the target in about 300
+steps) takes about 5 minutes; one round of 32 steps in throughput mode at
+30 Mbit/s took 4.5 minutes, 2.5 of them building and warming up, so the
+default 3 rounds of 64 steps take about 8 minutes. Both modes twice: about
+half an hour. The smoke tests' tiny flags take 40 s (quality) and 80 s
+(throughput), mostly start-up and tracing.
 
-Usage:
+Usage (the second as root; choose `--link_mbit` so that (e) passes):
 
     python benchmarks/streaming_diloco.py --out=benchmarks/results/streaming_diloco_quality
-    python benchmarks/streaming_diloco.py --mode=throughput --link_mbit=40   # as root
+    unshare --net sh -c 'ip link set lo up && python benchmarks/streaming_diloco.py \
+        --mode=throughput --link_mbit=30 --out=benchmarks/results/streaming_diloco_throughput'
 """
 
 import contextlib
@@ -147,7 +152,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer("local_steps", 32, "H: local steps per window of diloco and streaming.")
 flags.DEFINE_integer("num_fragments", 4, "F: streaming's fragments.")
-flags.DEFINE_integer("sync_delay", 1, "τ: steps a streaming exchange overlaps (0 <= τ < H/F).")
+flags.DEFINE_integer(
+    "sync_delay", 1, "τ: steps from a streaming fragment's exchange to its landing (0 <= τ < H/F)."
+)
 flags.DEFINE_string(
     "compression", None,
     "How streaming's outer gradients travel: any name tf_agn.compression.get "
@@ -360,7 +367,8 @@ def run_quality(strategy, verdicts, say):
         f"  {'step':>6}" + "".join(f"{method:>11}" for method in QUALITY_METHODS)
     )
     for i, at in enumerate(curves["sync"]["steps"]):
-        say(f"  {at:>6}" + "".join(f"{curves[m]['heldout_loss'][i]:>11.4f}" for m in QUALITY_METHODS))
+        losses = (curves[method]["heldout_loss"][i] for method in QUALITY_METHODS)
+        say(f"  {at:>6}" + "".join(f"{loss:>11.4f}" for loss in losses))
     sync = curves["sync"]
     say(
         f"\n-- at step {step}: "
@@ -370,7 +378,7 @@ def run_quality(strategy, verdicts, say):
             else f"sync did not reach {FLAGS.target_loss:.4f} in --max_steps={FLAGS.max_steps}"
         )
         + f"; {sync['parameters']:,} parameters --\n"
-        f"  {'method':<11}{'held-out':>10}{'vs sync':>9}{'bytes sent':>14}{'sync/this':>11}"
+        f"  {'method':<11}{'held-out':>10}{'vs sync':>9}{'bytes/worker':>14}{'sync/this':>11}"
         f"{'peak bytes/step':>17}{'training s':>12}"
     )
     for method in QUALITY_METHODS:
@@ -594,7 +602,8 @@ def worker_main():
             "warmup_steps", "repeats", "link_mbit", "seed",
         )}
         with open(f"{FLAGS.out}.json", "w") as out:
-            json.dump({"config": config, FLAGS.mode: results, "verdicts": verdicts.lines}, out, indent=1)
+            saved = {"config": config, FLAGS.mode: results, "verdicts": verdicts.lines}
+            json.dump(saved, out, indent=1)
         written = [f"{FLAGS.out}.json"]
         if FLAGS.mode == "quality" and importlib.util.find_spec("matplotlib"):
             plot(results["curves"], f"{FLAGS.out}.png")
@@ -641,7 +650,9 @@ def check_flags():
     if FLAGS.link_mbit < 0:
         raise app.UsageError(f"--link_mbit must be >= 0; received {FLAGS.link_mbit}.")
     if FLAGS.link_mbit and FLAGS.mode == "quality":
-        raise app.UsageError("--link_mbit is for --mode=throughput: quality runs on full-speed loopback.")
+        raise app.UsageError(
+            "--link_mbit is for --mode=throughput: quality runs on full-speed loopback."
+        )
     if FLAGS.link_mbit and FLAGS.num_workers > 2:
         raise app.UsageError(
             "--link_mbit limits what each worker sends, not what it receives: use "

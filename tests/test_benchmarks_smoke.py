@@ -148,16 +148,18 @@ def test_streaming_diloco_quality_runs_and_reports(tmp_path):
     cores = [re.search(rf"worker {i}: pinned to CPU (\d+)", out) for i in (0, 1)]
     assert all(cores) and cores[0].group(1) != cores[1].group(1), out
     assert "-- at step 8: sync first reached 5.4000 there; 12,016 parameters --" in out, out
+    # held-out, vs sync, bytes per worker, sync/this, peak bytes per step, seconds
+    row = r"\d\.\d{4}\s+[+-]\d+\.\d\d%\s+([\d,]+)\s+[\d.]+\s+([\d,]+)\s+\d+\.\d$"
     rows = {
-        name: re.search(
-            rf"^  {name}\s+(\d\.\d{{4}})\s+[+-]\d+\.\d\d%\s+([\d,]+)\s+[\d.]+\s+([\d,]+)\s+\d+\.\d$",
-            out, re.M,
-        )
+        name: re.search(rf"^  {name}\s+{row}", out, re.M)
         for name in ("sync", "diloco", "streaming")
     }
     assert all(rows.values()), out
-    sent, peak = ({name: int(row.group(i).replace(",", "")) for name, row in rows.items()} for i in (2, 3))
-    fragments = _numbers(re.search(r"^  streaming's fragments, float32 bytes: (.*) \(H", out, re.M).group(1))
+    sent, peak = (
+        {name: _numbers(match.group(i))[0] for name, match in rows.items()} for i in (1, 2)
+    )
+    listed = re.search(r"^  streaming's fragments, float32 bytes: (.*) \(H", out, re.M)
+    fragments = _numbers(listed.group(1))
     # Measured by the optimizers' counts against the fragments' sizes: one
     # window sends every weight once, float32, one fragment a step.
     assert len(fragments) == 4 and sum(fragments) == 4 * 12_016, fragments
@@ -225,5 +227,7 @@ def test_streaming_diloco_throughput_runs_on_shaped_links_and_reports():
         assert re.search(rf"^  (PASS|FAIL): \({letter}\) ", out, re.M), (letter, out)
     # Shaping applied: most bytes went through the links (the tiny model's
     # requests and acknowledgements are a few % of its exchanges).
-    share = re.search(r"^  (PASS|FAIL): \(check\) (\d+\.\d\d)% of the bytes sent went through", out, re.M)
+    share = re.search(
+        r"^  (PASS|FAIL): \(check\) (\d+\.\d\d)% of the bytes sent went through", out, re.M
+    )
     assert share and float(share.group(2)) > 50, out
