@@ -66,10 +66,9 @@ e. (the link's check) `diloco` runs below `MAX_DILOCO_THROUGHPUT` (85%) as
    falls.
 
 `/proc/net/dev` counts every process of the network namespace: on a shared
-machine run the throughput mode in a namespace of its own, where nothing
-else uses loopback (and no other run's `tc` qdisc is in the way):
-
-    unshare --net sh -c 'ip link set lo up && python benchmarks/streaming_diloco.py ...'
+machine run the throughput mode in a namespace of its own (`unshare --net`,
+as below), where nothing else uses loopback and no other run's `tc` qdisc
+is in the way.
 
 With `--out=PATH`, worker 0 writes `PATH.json` (flags and results) and, in
 quality mode and with matplotlib installed, `PATH.png`: the held-out loss
