@@ -34,8 +34,8 @@ def combine_replicas(
         step: for a compressor with a `start_step`: the optimizer's step, a
             scalar integer tensor.
         pattern: "all_reduce", or "reduce_scatter" (method SUM or MEAN),
-            "all_gather" or "all_to_all" (no method, uncompressed), as the
-            transports define them.
+            "all_gather", "all_gather_rows" or "all_to_all" (no method,
+            uncompressed), as the transports define them.
 
     Returns:
         `(combined, new_states)`: `combined` laid out like `values`, the
@@ -110,6 +110,8 @@ def _launch_each(transport, pattern, method, values, value_scale):
         if pattern == "reduce_scatter":
             weights = sum_weights(method, tensors[0].dtype, transport, value_scale)
             results = launch(tensors, weights)
+        elif pattern == "all_gather_rows":
+            results = [rows for (rows,) in launch([[tensor] for tensor in tensors])]
         else:
             results = launch(tensors)
         for replica, tensor in zip(combined, results):

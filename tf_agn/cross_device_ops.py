@@ -117,11 +117,11 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
                 gathered = tf.concat(per_replica_value.values, axis=axis)
             return placement.mirror(gathered, devices)
         transport = self.transport_for(per_replica_value, destinations, options)
-        gather = transport.eager(
-            ("gather", _static_axis(axis)),
-            functools.partial(_gather_along, transport, _static_axis(axis)),
-        )
-        return self._place(gather(list(per_replica_value.values)), transport.devices, devices)
+        axis = _static_axis(axis) % per_replica_value.values[0].shape.rank
+        moved = [[_axis_swapped(t, axis, d)] for t, d in zip(per_replica_value.values, transport.devices)]
+        gathered, _ = self.combine_function(transport, None, pattern="all_gather_rows")(moved)
+        gathered = [_axis_swapped(rows, axis, d) for (rows,), d in zip(gathered, transport.devices)]
+        return self._place(gathered, transport.devices, devices)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         # Without merge_call (MultiWorkerMirroredStrategy's XLA steps on GPUs):
@@ -200,20 +200,14 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         return merged, transport
 
 
-def _gather_along(transport, axis, per_replica):
-    """`per_replica` all-gathered along `axis` (lengths may differ)."""
-    rank = per_replica[0].shape.rank
-    axis %= rank
-    perm = [axis] + [d for d in range(rank) if d != axis]
-    moved = []
-    for device, tensor in zip(transport.devices, per_replica):
-        with tf.device(device):
-            moved.append([tf.transpose(tensor, perm) if axis else tensor])
-    gathered = []
-    for device, (rows,) in zip(transport.devices, transport.all_gather_rows(moved)):
-        with tf.device(device):
-            gathered.append(tf.transpose(rows, [perm.index(d) for d in range(rank)]) if axis else rows)
-    return gathered
+def _axis_swapped(tensor, axis, device):
+    """`tensor` with dimensions 0 and `axis` swapped, on `device`."""
+    if not axis:
+        return tensor
+    perm = list(range(tensor.shape.rank))
+    perm[0], perm[axis] = axis, 0
+    with tf.device(device):
+        return tf.transpose(tensor, perm)
 
 
 def _check_arguments(
