@@ -24,7 +24,7 @@ STREAMING_DILOCO = os.path.join(ROOT, "benchmarks", "streaming_diloco.py")
 # 16 bytes a step: start-up and tracing are most of a run.
 TINY_STREAMING_DILOCO = (
     "--context=16", "--batch_size=8", "--local_steps=8", "--num_fragments=4",
-    "--sync_delay=1",
+    "--sync_delay=1", "--compression=none",
 )
 
 
