@@ -1,6 +1,8 @@
 """StreamingDiLoCo under a real 4-replica MirroredStrategy, against a numpy
 reference of its fragments, schedule, delay and mixing, and against AGN."""
 
+import heapq
+
 import keras
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from mlp import LEARNING_RATE
 from test_agn import RecordStates
 from tf_agn.optimizers import AGN
 from tf_agn.optimizers import StreamingDiLoCo
+from tf_agn.optimizers.streaming_diloco import fragments_by_layer
 
 SHARD = BATCH // NUM_REPLICAS
 # A tanh MLP of 4 layers: 3 -> 4 -> 4 -> 3 -> 2, the last one linear.
@@ -129,7 +132,7 @@ def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps, 
 
 def assert_matches_reference(
     local_steps, num_fragments, sync_delay, alpha, fragments, steps, make_outer=lambda: None,
-    outer_step=nesterov_step,
+    outer_step=nesterov_step, fragment_split="balanced",
 ):
     x, y = mlp_data(steps)
     _, states = fit_recording(
@@ -139,6 +142,7 @@ def assert_matches_reference(
             num_fragments=num_fragments,
             sync_delay=sync_delay,
             fragment_update_alpha=alpha,
+            fragment_split=fragment_split,
             outer_optimizer=make_outer(),  # None: the default
         ),
         steps,
@@ -171,6 +175,19 @@ def test_fragments_are_strided_and_land_sync_delay_steps_after_sending():
     # H = 6, F = 2, τ = 2: layers 0 and 2 are fragment 0, sent after step 1
     # and landed after step 3; layers 1 and 3 sent after 4, landed after 6.
     assert_matches_reference(6, 2, 2, 0.0, [[0, 1, 4, 5], [2, 3, 6, 7]], steps=12)
+
+
+@pytest.mark.parametrize(
+    "fragment_split, fragments",
+    [
+        # Layers of 16, 20, 15 and 8 values. Balanced: 20, 16 and 15 start
+        # a fragment each, 8 joins 15's.
+        ("balanced", [[0, 1], [2, 3], [4, 5, 6, 7]]),
+        ("strided", [[0, 1, 6, 7], [2, 3], [4, 5]]),
+    ],
+)
+def test_three_fragments_split_balanced_or_strided(fragment_split, fragments):
+    assert_matches_reference(6, 3, 1, 0.0, fragments, steps=12, fragment_split=fragment_split)
 
 
 def test_fragment_update_alpha_mixes_local_weights_in():
@@ -290,6 +307,59 @@ def test_exchanges_and_bytes_are_one_fragment_at_a_time():
     assert stats["bytes_sent"] == 2 * 4 * sum(fragment_sizes)
 
 
+def transformer_ish():
+    """An embedding, Dense blocks of unequal sizes and a head, built; its
+    layers' values: 8192, 2112, 2080, 64, 6336, 6176, 64, 8448."""
+    model = keras.Sequential([
+        keras.Input((5,), dtype="int32"),
+        keras.layers.Embedding(256, 32),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(32),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(192, activation="relu"),
+        keras.layers.Dense(32),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(256),
+    ])
+    return model
+
+
+def balanced_reference(sizes, num_fragments):
+    """The layer numbers of each fragment of the balanced split of layers
+    of `sizes` (in model order), by a heap of (bytes, layers, number)."""
+    heap = [(0, 0, fragment, []) for fragment in range(num_fragments)]
+    for layer in sorted(range(len(sizes)), key=lambda layer: (-sizes[layer], layer)):
+        size, count, fragment, members = heapq.heappop(heap)
+        heapq.heappush(heap, (size + sizes[layer], count + 1, fragment, members + [layer]))
+    return sorted(sorted(members) for *_, members in heap)
+
+
+def test_a_balanced_split_evens_the_bytes_of_whole_layers():
+    model = transformer_ish()
+    variables = model.trainable_variables
+    sizes = [4 * layer.count_params() for layer in model.layers]
+    assert sizes == [4 * n for n in (8192, 2112, 2080, 64, 6336, 6176, 64, 8448)]
+    layers = balanced_reference(sizes, 4)
+    assert layers == [[0, 3, 6], [1, 5], [2, 4], [7]]
+    position = {id(v): i for i, v in enumerate(variables)}
+    want = [
+        sorted(position[id(v)] for j in members for v in model.layers[j].trainable_variables)
+        for members in layers
+    ]
+    assert fragments_by_layer(variables, 4, "balanced") == want
+
+    def largest(fragments):
+        return max(sum(4 * int(np.prod(variables[i].shape)) for i in f) for f in fragments)
+
+    total = sum(sizes)
+    assert largest(want) <= total / 4 + (1 - 1 / 4) * max(sizes)  # the rule's bound
+    # The head alone, 25.2% of the bytes: no split of whole layers does
+    # better. The strided split puts the embedding and the widest Dense
+    # together, 43.4%.
+    assert largest(want) == max(sizes) > total / 4
+    assert largest(fragments_by_layer(variables, 4, "strided")) == 4 * (8192 + 6336)
+
+
 def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
     # H = 6, F = 2, τ = 2: after 5 steps the second fragment's Δ is in flight.
     model, _ = fit_recording(
@@ -318,12 +388,15 @@ def test_config_round_trip():
         num_fragments=4,
         sync_delay=1,
         fragment_update_alpha=0.25,
+        fragment_split="strided",
         aggregation_method="sum",
     )
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert isinstance(restored, StreamingDiLoCo)
     assert (restored.num_fragments, restored.sync_delay) == (4, 1)
     assert restored.fragment_update_alpha == 0.25
+    assert restored.fragment_split == "strided"
+    assert StreamingDiLoCo(keras.optimizers.SGD(), 2, 2).fragment_split == "balanced"
     assert restored.outer_optimizer.nesterov and restored.outer_optimizer.momentum == 0.9
     assert float(restored.outer_optimizer.learning_rate) == pytest.approx(0.7)
     assert restored.get_config() == optimizer.get_config()
@@ -348,6 +421,17 @@ def test_sync_delay_must_be_below_a_fragments_share_of_the_window(sync_delay):
         )
 
 
+@pytest.mark.parametrize("fragment_split", ["even", None])
+def test_an_unknown_fragment_split_is_refused_naming_the_known_ones(fragment_split):
+    with pytest.raises(
+        ValueError,
+        match=rf"fragment_split must be one of 'balanced', 'strided'; received {fragment_split!r}\.",
+    ):
+        StreamingDiLoCo(
+            keras.optimizers.SGD(), local_steps=4, num_fragments=2, fragment_split=fragment_split
+        )
+
+
 def test_fragment_update_alpha_must_be_in_the_unit_interval():
     with pytest.raises(ValueError, match=r"fragment_update_alpha must be in \[0, 1\]; received 1.5"):
         StreamingDiLoCo(
@@ -355,9 +439,12 @@ def test_fragment_update_alpha_must_be_in_the_unit_interval():
         )
 
 
-def test_more_fragments_than_layers_is_refused_when_built():
+@pytest.mark.parametrize("fragment_split", ["balanced", "strided"])
+def test_more_fragments_than_layers_is_refused_when_built(fragment_split):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
-    optimizer = StreamingDiLoCo(keras.optimizers.SGD(), local_steps=3, num_fragments=3)
+    optimizer = StreamingDiLoCo(
+        keras.optimizers.SGD(), local_steps=3, num_fragments=3, fragment_split=fragment_split
+    )
     with pytest.raises(ValueError, match=r"num_fragments=3 is more than the 2 layers"):
         optimizer.build(model.trainable_variables)
 

@@ -4,11 +4,17 @@ import functools
 
 import keras
 from keras import ops
+import numpy as np
+import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.optimizers.windowed import in_cross_replica_context
 from tf_agn.replica_aggregation import aggregate
+
+
+# How layers are split into fragments (`fragments_by_layer`).
+FRAGMENT_SPLITS = ("balanced", "strided")
 
 
 @keras.saving.register_keras_serializable(package="tf_agn")
@@ -20,9 +26,11 @@ class StreamingDiLoCo(WindowedOptimizer):
     that an exchange carries 1/F of the weights, and whose exchanges run
     while τ = `sync_delay` local steps compute.
 
-    - Fragments: a variable's layer is its `path` without the last part;
-      layer j, in the order of the layers' first variables, goes to
-      fragment j mod F.
+    - Fragments: a variable's layer is its `path` without the last part,
+      and a layer's variables travel together. "balanced" (the default)
+      evens the fragments' bytes; "strided", the paper's, puts layer j, in
+      the order of the layers' first variables, in fragment j mod F
+      (`fragments_by_layer`).
     - Schedule (torchft's): fragment p lands after local step k with
       k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
       weights after step k − τ; with τ ≥ 1 it is combined across replicas
@@ -63,6 +71,8 @@ class StreamingDiLoCo(WindowedOptimizer):
             0 <= τ < H/F.
         fragment_update_alpha: α in [0, 1], the share of its local weights a
             replica keeps when a fragment lands.
+        fragment_split: how layers are split into fragments: "balanced"
+            (even bytes) or "strided" (the paper's).
         outer_optimizer: applies the combined Δ to the centers; default
             DiLoCo's `SGD(0.7, momentum=0.9, nesterov=True)` (torchft has
             none).
@@ -76,8 +86,9 @@ class StreamingDiLoCo(WindowedOptimizer):
         TypeError: if `optimizer` or `outer_optimizer` is not a Keras 3
             optimizer.
         ValueError: for a bad argument of `WindowedOptimizer`, an F that is
-            not an int >= 1 dividing H, a τ or α out of range; when built,
-            for an F larger than the number of layers.
+            not an int >= 1 dividing H, a τ or α out of range, an unknown
+            `fragment_split`; when built, for an F larger than the number
+            of layers.
     """
 
     def __init__(
@@ -87,6 +98,7 @@ class StreamingDiLoCo(WindowedOptimizer):
         num_fragments,
         sync_delay=0,
         fragment_update_alpha=0.0,
+        fragment_split="balanced",
         outer_optimizer=None,
         aggregation_method="mean",
         compression=None,
@@ -107,14 +119,20 @@ class StreamingDiLoCo(WindowedOptimizer):
             raise ValueError(
                 f"fragment_update_alpha must be in [0, 1]; received {fragment_update_alpha!r}."
             )
+        if fragment_split not in FRAGMENT_SPLITS:
+            raise ValueError(
+                f"fragment_split must be one of {', '.join(map(repr, FRAGMENT_SPLITS))}; "
+                f"received {fragment_split!r}."
+            )
         self.num_fragments = num_fragments
+        self.fragment_split = fragment_split
         self.sync_delay = sync_delay
         self.fragment_update_alpha = float(fragment_update_alpha)
 
     def build(self, var_list):
         if self.built:
             return
-        self._fragments = fragments_by_layer(var_list, self.num_fragments)
+        self._fragments = fragments_by_layer(var_list, self.num_fragments, self.fragment_split)
         super().build(var_list)
         # The combined Δ between the step that sends them and the one they
         # land in; with τ = 0 they land where they are combined.
@@ -124,7 +142,11 @@ class StreamingDiLoCo(WindowedOptimizer):
         ]
 
     def _commit_schedule(self):
-        return (("num_fragments", self.num_fragments), ("sync_delay", self.sync_delay))
+        return (
+            ("num_fragments", self.num_fragments),
+            ("fragment_split", FRAGMENT_SPLITS.index(self.fragment_split)),
+            ("sync_delay", self.sync_delay),
+        )
 
     def apply(self, grads, trainable_variables=None):
         self._record_applied(trainable_variables)
@@ -214,13 +236,28 @@ class StreamingDiLoCo(WindowedOptimizer):
             num_fragments=self.num_fragments,
             sync_delay=self.sync_delay,
             fragment_update_alpha=self.fragment_update_alpha,
+            fragment_split=self.fragment_split,
         )
         return config
 
 
-def fragments_by_layer(variables, num_fragments):
-    """The positions in `variables` of each fragment's variables: layer j, in
-    the order of the layers' first variables, in fragment j mod F.
+def fragments_by_layer(variables, num_fragments, split="strided"):
+    """The positions in `variables` of each fragment's variables, a layer's
+    variables in one fragment, in the order of `variables`.
+
+    - "strided" (the paper's): layer j, in the order of the layers' first
+      variables, is in fragment j mod F.
+    - "balanced": the layers, largest first (in bytes; ties in model
+      order), go each to the fragment with the fewest bytes so far (ties:
+      fewer layers, then the lower number); the fragments are then
+      numbered in the order of their first layers. The largest fragment
+      holds at most total/F + (1 − 1/F)·(largest layer) bytes: a layer is
+      never split, so a layer larger than total/F makes its fragment that
+      large.
+
+    For example, layers of 20, 16, 15 and 8 bytes (in model order 16, 20,
+    15, 8) in 3 fragments: balanced [16], [20], [15, 8]; strided [16, 8],
+    [20], [15].
 
     Raises:
         ValueError: if there are fewer layers than `num_fragments`.
@@ -231,11 +268,29 @@ def fragments_by_layer(variables, num_fragments):
             f"num_fragments={num_fragments} is more than the {len(layers)} layers "
             f"with variables to optimize ({', '.join(layers)}); pass at most {len(layers)}."
         )
-    fragment_of_layer = {layer: j % num_fragments for j, layer in enumerate(layers)}
+    if split == "strided":
+        fragment_of_layer = {layer: j % num_fragments for j, layer in enumerate(layers)}
+    else:
+        fragment_of_layer = _balanced(layers, variables, num_fragments)
     return [
         [i for i, v in enumerate(variables) if fragment_of_layer[_layer_of(v)] == fragment]
         for fragment in range(num_fragments)
     ]
+
+
+def _balanced(layers, variables, num_fragments):
+    """{layer: its fragment} of the "balanced" split of `layers`."""
+    size = dict.fromkeys(layers, 0)
+    for v in variables:
+        size[_layer_of(v)] += tf.as_dtype(v.dtype).size * int(np.prod(v.shape))
+    fragments = [[] for _ in range(num_fragments)]
+    loads = [0] * num_fragments
+    for layer in sorted(layers, key=lambda layer: -size[layer]):  # stable: model order
+        lightest = min(range(num_fragments), key=lambda f: (loads[f], len(fragments[f]), f))
+        fragments[lightest].append(layer)
+        loads[lightest] += size[layer]
+    by_first_layer = sorted(fragments, key=lambda members: min(map(layers.index, members)))
+    return {layer: f for f, members in enumerate(by_first_layer) for layer in members}
 
 
 def _layer_of(variable):
