@@ -14,11 +14,11 @@ from conftest import NUM_REPLICAS
 from mlp import BATCH
 from mlp import LEARNING_RATE
 from test_agn import RecordStates
+from test_restarts import Interrupt
 from tf_agn.optimizers import AGN
 from tf_agn.optimizers import StreamingDiLoCo
 from tf_agn.optimizers.streaming_diloco import fragments_by_layer
 
-SHARD = BATCH // NUM_REPLICAS
 # A tanh MLP of 4 layers: 3 -> 4 -> 4 -> 3 -> 2, the last one linear.
 WIDTHS = [3, 4, 4, 3, 2]
 OUTER_RATE, OUTER_MOMENTUM = 0.7, 0.9
@@ -40,8 +40,8 @@ def mlp_data(steps):
     return x, y
 
 
-def build_model(optimizer, **compile_kwargs):
-    with tf_agn.strategies.mirrored(DEVICES).scope():
+def build_model(optimizer, devices=DEVICES, **compile_kwargs):
+    with tf_agn.strategies.mirrored(devices).scope():
         model = keras.Sequential(
             [keras.Input((WIDTHS[0],))]
             + [keras.layers.Dense(width, activation="tanh") for width in WIDTHS[1:-1]]
@@ -52,9 +52,9 @@ def build_model(optimizer, **compile_kwargs):
     return model
 
 
-def fit_recording(optimizer, steps):
+def fit_recording(optimizer, steps, devices=DEVICES):
     """Every replica's weights and the centers after each of `steps` steps."""
-    model = build_model(optimizer)
+    model = build_model(optimizer, devices)
     x, y = mlp_data(steps)
     record = RecordStates()
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[record])
@@ -94,13 +94,18 @@ def adam_step(center, delta, moments, count):
     return center - m * rate / (np.sqrt(v) + 1e-7), (m, v)
 
 
-def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps, outer_step):
+def streaming_reference(
+    x, y, local_steps, fragments, sync_delay, alpha, steps, outer_step,
+    num_replicas=NUM_REPLICAS, resize=None,
+):
     """Per-replica weights and centers after each step, in float64: inner
     SGD(LEARNING_RATE); fragment p's mean Δ taken after step k − τ and
     landed after step k ≡ (p + 1)·H/F (mod H) by `outer_step`, given how
-    many times p landed before, then θ ← α·θ + (1 − α)·θ_c."""
+    many times p landed before, then θ ← α·θ + (1 − α)·θ_c. With
+    `resize=(step, n)`, after `step` the run goes on on n replicas, each
+    starting from the centers, the Δ in flight and the outer state kept."""
     center = [w.astype("float64") for w in initial_weights()]
-    replicas = [list(center) for _ in range(NUM_REPLICAS)]
+    replicas = [list(center) for _ in range(num_replicas)]
     outer_state = [None] * len(center)
     landed = [0] * len(fragments)
     subwindow = local_steps // len(fragments)
@@ -110,11 +115,14 @@ def streaming_reference(x, y, local_steps, fragments, sync_delay, alpha, steps, 
         return {i: np.mean([r[i] - center[i] for r in replicas], 0) for i in fragments[fragment]}
 
     for step in range(1, steps + 1):
+        if resize and step == resize[0] + 1:
+            replicas = [list(center) for _ in range(resize[1])]
+        shard = BATCH // len(replicas)
         for p in range(len(fragments)):
             if sync_delay and (step - 1) % local_steps == ((p + 1) * subwindow - sync_delay) % local_steps:
                 sent[p] = mean_delta(p)
-        for r in range(NUM_REPLICAS):
-            rows = slice((step - 1) * BATCH + r * SHARD, (step - 1) * BATCH + (r + 1) * SHARD)
+        for r in range(len(replicas)):
+            rows = slice((step - 1) * BATCH + r * shard, (step - 1) * BATCH + (r + 1) * shard)
             grads = mlp_gradients(replicas[r], x[rows], y[rows])
             replicas[r] = [w - LEARNING_RATE * g for w, g in zip(replicas[r], grads)]
         for p in range(len(fragments)):
@@ -150,20 +158,25 @@ def assert_matches_reference(
     reference = streaming_reference(
         x, y, local_steps, fragments, sync_delay, alpha, steps, outer_step
     )
+    assert_states_match(states, reference)
+    # The replicas explored apart: every exchange mattered.
+    assert not np.allclose(states[-2][0][0][0], states[-2][0][1][0])
+
+
+def assert_states_match(states, reference, first_step=1):
+    """`fit_recording`'s states after each step are `reference`'s."""
     for step, ((replicas, center), (want_replicas, want_center)) in enumerate(
-        zip(states, reference, strict=True), 1
+        zip(states, reference, strict=True), first_step
     ):
         for i, (got, want) in enumerate(zip(center, want_center, strict=True)):
             np.testing.assert_allclose(
                 got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, center {i}"
             )
-        for r in range(NUM_REPLICAS):
-            for i, (got, want) in enumerate(zip(replicas[r], want_replicas[r], strict=True)):
+        for r, (got_replica, want_replica) in enumerate(zip(replicas, want_replicas, strict=True)):
+            for i, (got, want) in enumerate(zip(got_replica, want_replica, strict=True)):
                 np.testing.assert_allclose(
                     got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, replica {r}, {i}"
                 )
-    # The replicas explored apart: every exchange mattered.
-    assert not np.allclose(states[-2][0][0][0], states[-2][0][1][0])
 
 
 def test_four_fragments_land_one_a_step_in_layer_order():
@@ -379,6 +392,52 @@ def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
     assert len(outer_gradients) == 8 and all(np.any(v.numpy()) for v in outer_gradients)
     for got, want in zip(loaded.optimizer.variables, model.optimizer.variables, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+
+
+@pytest.mark.parametrize("first, then", [(4, 2), (2, 4)])
+def test_a_backup_with_an_exchange_in_flight_resumes_on_another_number_of_replicas(
+    tmp_path, first, then
+):
+    """Every replica resumes from the centers at the backup's step: the Δ in
+    flight lands as in the uninterrupted run, and each fragment's next Δ
+    holds the local steps since (MEAN, the same global batch)."""
+
+    def streaming():
+        # H = 6, F = 2, τ = 2: the backup after step 5 holds the second
+        # fragment's Δ, sent in step 5, landing after step 6.
+        return StreamingDiLoCo(
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
+        )
+
+    steps, backup_step = 12, 5
+    x, y = mlp_data(steps)
+    _, uninterrupted = fit_recording(streaming, steps, DEVICES[:first])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        build_model(streaming, DEVICES[:first]).fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0,
+            callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=1),
+                       Interrupt(0, backup_step)],
+        )
+    resumed = build_model(streaming, DEVICES[:then])
+    record = RecordStates()
+    resumed.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0,
+        callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=1), record],
+    )
+    reference = streaming_reference(
+        x, y, 6, [[0, 1, 4, 5], [2, 3, 6, 7]], 2, 0.0, steps, nesterov_step,
+        num_replicas=first, resize=(backup_step, then),
+    )
+    assert_states_match(uninterrupted[:backup_step], reference[:backup_step])
+    # (The skipped batches' callbacks record the state restored.)
+    resumed_states = record.states[backup_step:]
+    assert_states_match(resumed_states, reference[backup_step:], first_step=backup_step + 1)
+    # The Δ in flight lands as in the uninterrupted run; the fragments'
+    # next landings differ.
+    for got, want in zip(resumed_states[0][1], uninterrupted[backup_step][1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(resumed_states[-1][1][0], uninterrupted[-1][1][0])
 
 
 def test_config_round_trip():

@@ -14,8 +14,11 @@ A windowed optimizer (AGN and the others) resumes from its last committed
 window: every replica's weights are the center, its inner optimizer's step
 count goes back to that window's end, and its inner optimizer's state is
 the old replicas' mean. The local steps taken since are not committed and
-are dropped. Trainable weights that differ between replicas (aggregation
-NONE) are refused by name.
+are dropped. Streaming DiLoCo resumes at the backup's step instead, every
+replica from the centers, each fragment's last landing; a Δ in flight lands
+when due, and the local steps since each fragment's last landing are
+dropped. Trainable weights that differ between replicas (aggregation NONE)
+are refused by name.
 """
 
 import warnings
@@ -25,6 +28,7 @@ import tensorflow as tf
 
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.optimizers import saving
+from tf_agn.optimizers.streaming_diloco import StreamingDiLoCo
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.replica_state import assign_every_copy
 
@@ -126,7 +130,11 @@ def restore(model, task_arrays, pointer, num_replicas):
         assign_every_copy(
             model.distribute_strategy, owed_variables, [owed[id(v)] for v in owed_variables]
         )
-        if windowed:
+        # Streaming DiLoCo's centers are each fragment's last landing: its
+        # schedule goes on from the backup's step, the Δ in flight landing
+        # when due (rolled back, a fragment that landed since would land
+        # twice, and the Δ in flight would be lost).
+        if windowed and not isinstance(optimizer, StreamingDiLoCo):
             iterations = optimizer.inner_optimizer.iterations
             iterations.assign(iterations.numpy() // optimizer.local_steps * optimizer.local_steps)
         _warn_if_the_step_changes(optimizer, old_replicas, num_replicas)

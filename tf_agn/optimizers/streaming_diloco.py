@@ -44,7 +44,8 @@ class StreamingDiLoCo(WindowedOptimizer):
     With F = 1 and τ = 0 it is DiLoCo, `AGN(optimizer, local_steps=H,
     outer_optimizer=..., normalize=False)`. The combined Δ in flight are
     optimizer variables: saving and `tf_agn.callbacks.BackupAndRestore`
-    keep them. Unlike AGN, `fit` commits nothing at its end: the replicas
+    keep them; on another number of replicas a backup resumes at its step
+    from the centers (`tf_agn.resizing`). Unlike AGN, `fit` commits nothing at its end: the replicas
     keep their weights and the next `fit` continues the schedule
     (`tf_agn.callbacks.EvaluateAtCenter` evaluates the centers).
 
