@@ -172,8 +172,8 @@ def assert_states_match(states, reference, first_step=1):
             np.testing.assert_allclose(
                 got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, center {i}"
             )
-        for r, (got_replica, want_replica) in enumerate(zip(replicas, want_replicas, strict=True)):
-            for i, (got, want) in enumerate(zip(got_replica, want_replica, strict=True)):
+        for r, pair in enumerate(zip(replicas, want_replicas, strict=True)):
+            for i, (got, want) in enumerate(zip(*pair, strict=True)):
                 np.testing.assert_allclose(
                     got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}, replica {r}, {i}"
                 )
@@ -386,6 +386,7 @@ def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
     with tf_agn.strategies.mirrored(DEVICES).scope():
         loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, StreamingDiLoCo)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()  # "balanced" too
     # Both fragments' combined Δ: the first's landed after step 3, the
     # second's, sent in step 5, is in flight (zeros before).
     outer_gradients = [v for v in model.optimizer.variables if "outer_gradient" in v.path]
@@ -484,7 +485,8 @@ def test_sync_delay_must_be_below_a_fragments_share_of_the_window(sync_delay):
 def test_an_unknown_fragment_split_is_refused_naming_the_known_ones(fragment_split):
     with pytest.raises(
         ValueError,
-        match=rf"fragment_split must be one of 'balanced', 'strided'; received {fragment_split!r}\.",
+        match=rf"fragment_split must be one of 'balanced', 'strided'; "
+        rf"received {fragment_split!r}\.",
     ):
         StreamingDiLoCo(
             keras.optimizers.SGD(), local_steps=4, num_fragments=2, fragment_split=fragment_split

@@ -45,9 +45,10 @@ class StreamingDiLoCo(WindowedOptimizer):
     outer_optimizer=..., normalize=False)`. The combined Δ in flight are
     optimizer variables: saving and `tf_agn.callbacks.BackupAndRestore`
     keep them; on another number of replicas a backup resumes at its step
-    from the centers (`tf_agn.resizing`). Unlike AGN, `fit` commits nothing at its end: the replicas
-    keep their weights and the next `fit` continues the schedule
-    (`tf_agn.callbacks.EvaluateAtCenter` evaluates the centers).
+    from the centers (`tf_agn.resizing`). Unlike AGN, `fit` commits nothing
+    at its end: the replicas keep their weights and the next `fit`
+    continues the schedule (`tf_agn.callbacks.EvaluateAtCenter` evaluates
+    the centers).
 
     Example:
 
@@ -242,7 +243,7 @@ class StreamingDiLoCo(WindowedOptimizer):
         return config
 
 
-def fragments_by_layer(variables, num_fragments, split="strided"):
+def fragments_by_layer(variables, num_fragments, split):
     """The positions in `variables` of each fragment's variables, a layer's
     variables in one fragment, in the order of `variables`.
 
