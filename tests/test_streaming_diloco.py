@@ -395,22 +395,31 @@ def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
 
 
-@pytest.mark.parametrize("first, then", [(4, 2), (2, 4)])
-def test_a_backup_with_an_exchange_in_flight_resumes_on_another_number_of_replicas(
-    tmp_path, first, then
+@pytest.mark.parametrize(
+    "first, then, sync_delay, backup_step",
+    [
+        # H = 6, F = 2, τ = 2: the backup after step 5 holds the second
+        # fragment's Δ, sent in step 5, landing after step 6.
+        (4, 2, 2, 5),
+        (2, 4, 2, 5),
+        # τ = 0, mid-window: the first fragment landed after step 3.
+        (4, 2, 0, 4),
+    ],
+)
+def test_a_backup_resumes_mid_flight_on_another_number_of_replicas(
+    tmp_path, first, then, sync_delay, backup_step
 ):
-    """Every replica resumes from the centers at the backup's step: the Δ in
+    """Every replica resumes from the centers at the backup's step: a Δ in
     flight lands as in the uninterrupted run, and each fragment's next Δ
     holds the local steps since (MEAN, the same global batch)."""
 
     def streaming():
-        # H = 6, F = 2, τ = 2: the backup after step 5 holds the second
-        # fragment's Δ, sent in step 5, landing after step 6.
         return StreamingDiLoCo(
-            keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2,
+            sync_delay=sync_delay,
         )
 
-    steps, backup_step = 12, 5
+    steps = 12
     x, y = mlp_data(steps)
     _, uninterrupted = fit_recording(streaming, steps, DEVICES[:first])
     backup_dir = str(tmp_path / "backup")
@@ -427,15 +436,15 @@ def test_a_backup_with_an_exchange_in_flight_resumes_on_another_number_of_replic
         callbacks=[tf_agn.callbacks.BackupAndRestore(backup_dir, save_freq=1), record],
     )
     reference = streaming_reference(
-        x, y, 6, [[0, 1, 4, 5], [2, 3, 6, 7]], 2, 0.0, steps, nesterov_step,
+        x, y, 6, [[0, 1, 4, 5], [2, 3, 6, 7]], sync_delay, 0.0, steps, nesterov_step,
         num_replicas=first, resize=(backup_step, then),
     )
     assert_states_match(uninterrupted[:backup_step], reference[:backup_step])
     # (The skipped batches' callbacks record the state restored.)
     resumed_states = record.states[backup_step:]
     assert_states_match(resumed_states, reference[backup_step:], first_step=backup_step + 1)
-    # The Δ in flight lands as in the uninterrupted run; the fragments'
-    # next landings differ.
+    # The centers after the first step resumed, a Δ in flight landed, are
+    # the uninterrupted run's; the fragments' next landings differ.
     for got, want in zip(resumed_states[0][1], uninterrupted[backup_step][1], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert not np.allclose(resumed_states[-1][1][0], uninterrupted[-1][1][0])
