@@ -18,7 +18,8 @@ Methods, each built from `--seed`:
   local_steps=H, outer_optimizer=SGD(--outer_learning_rate, momentum=0.9,
   nesterov=True), normalize=False)`, H = `--local_steps`;
 - `streaming`: `StreamingDiLoCo` with the same inner and outer optimizers,
-  H, F = `--num_fragments`, τ = `--sync_delay` and `--compression`;
+  H, F = `--num_fragments` (split `--fragment_split`), τ = `--sync_delay`
+  and `--compression` (int4);
 - `alone` (throughput only), the no-communication reference: each worker
   alone, `tf_agn.optimizers.Adam(aggregation_method="none")`, the same
   compute as `sync` without its exchange (so the windowed methods' own
@@ -126,6 +127,7 @@ import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
 import shaped_link  # noqa: E402
 import stdlib_text  # noqa: E402  (the task, and its model and data flags)
 import tf_agn  # noqa: E402
+from tf_agn.optimizers.streaming_diloco import FRAGMENT_SPLITS  # noqa: E402
 from tf_agn.optimizers.streaming_diloco import fragments_by_layer  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
 
@@ -151,6 +153,10 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer("local_steps", 32, "H: local steps per window of diloco and streaming.")
 flags.DEFINE_integer("num_fragments", 4, "F: streaming's fragments.")
+flags.DEFINE_enum(
+    "fragment_split", "balanced", list(FRAGMENT_SPLITS),
+    "How streaming splits its layers into fragments (see StreamingDiLoCo).",
+)
 flags.DEFINE_integer(
     "sync_delay", 1, "τ: steps from a streaming fragment's exchange to its landing (0 <= τ < H/F)."
 )
@@ -214,6 +220,7 @@ def make_optimizer(method):
         local_steps=FLAGS.local_steps,
         num_fragments=FLAGS.num_fragments,
         sync_delay=FLAGS.sync_delay,
+        fragment_split=FLAGS.fragment_split,
         outer_optimizer=outer,
         compression=streaming_compression(),
     )
@@ -336,7 +343,9 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
         verbose=0,
     )
     variables = model.trainable_variables
-    fragments = fragments_by_layer(variables, FLAGS.num_fragments) if method == "streaming" else []
+    fragments = []
+    if method == "streaming":
+        fragments = fragments_by_layer(variables, FLAGS.num_fragments, FLAGS.fragment_split)
     return {
         "steps": [(i + 1) * FLAGS.eval_every for i in range(len(history.history["loss"]))],
         "heldout_loss": history.history["val_loss"],
@@ -397,7 +406,8 @@ def run_quality(strategy, verdicts, say):
     say(
         f"  streaming's fragments, float32 bytes: "
         f"{', '.join(f'{b:,}' for b in streaming['fragment_bytes'])} "
-        f"(H = {FLAGS.local_steps}, F = {FLAGS.num_fragments}, τ = {FLAGS.sync_delay}, "
+        f"(H = {FLAGS.local_steps}, F = {FLAGS.num_fragments} {FLAGS.fragment_split}, "
+        f"τ = {FLAGS.sync_delay}, "
         f"compression {FLAGS.compression})"
     )
     above = streaming["heldout_loss"][-1] / sync["heldout_loss"][-1] - 1
@@ -599,7 +609,8 @@ def worker_main():
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         config = {name: FLAGS[name].value for name in (
-            "mode", "num_workers", "local_steps", "num_fragments", "sync_delay", "compression",
+            "mode", "num_workers", "local_steps", "num_fragments", "fragment_split", "sync_delay",
+            "compression",
             "learning_rate", "outer_learning_rate", "batch_size", "context", "d_model",
             "num_layers", "num_heads", "throughput_d_model", "throughput_num_layers",
             "eval_every", "max_steps", "target_loss", "heldout_windows", "throughput_steps",
