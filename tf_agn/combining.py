@@ -90,14 +90,16 @@ def _combine_exactly(transport, method, values, value_scale):
         return sum_weights(method, dtype, transport, value_scale)
 
     combined = [list(replica) for replica in values]
-    for index in sparse:
+    _place(combined, dense, packing.all_reduce_packs(
+        transport, [[replica[i] for i in dense] for replica in values], weights_of
+    ))
+    # After the dense packs, in backward order as they are (an embedding's
+    # gradient, usually the first layer's, is the backward pass's last).
+    for index in reversed(sparse):
         gathered = transport.all_gather_slices(
             [replica[index] for replica in values], weights_of(values[0][index].dtype)
         )
         _place(combined, [index], [[value] for value in gathered])
-    _place(combined, dense, packing.all_reduce_packs(
-        transport, [[replica[i] for i in dense] for replica in values], weights_of
-    ))
     return combined
 
 

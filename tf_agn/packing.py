@@ -56,7 +56,9 @@ def all_reduce_packs(transport, values, weights_of, cast=None):
     if given; returns them laid out like `values`."""
     _, packs = split_packs(values[0], transport.bytes_per_pack)
     combined = [list(replica) for replica in values]
-    for pack in packs:
+    # Backward order: the last layers' gradients exist first, so their packs
+    # travel while the backward pass computes the earlier layers'.
+    for pack in reversed(packs):
         weights = weights_of(values[0][pack[0]].dtype)
         summed = transport.all_reduce([[replica[i] for i in pack] for replica in values], weights, cast)
         for replica, tensors in zip(combined, summed):

@@ -115,9 +115,10 @@ class Int8(ErrorFeedbackCompressor):
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        for pack, layout in _plan(
+        # Backward order, as `tf_agn.packing.all_reduce_packs` launches packs.
+        for pack, layout in reversed(_plan(
             sizes, transport.size, self.chunk_size, self.bits, transport.bytes_per_pack
-        ):
+        )):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
