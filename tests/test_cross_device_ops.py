@@ -575,7 +575,7 @@ def test_bad_bytes_per_pack(bad):
     assert repr(bad) in str(error.value)
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int4", 16])
+@pytest.mark.parametrize("bad", ["fp8", "int2", 16])
 def test_bad_compression(bad):
     with pytest.raises(ValueError, match="Unknown compression") as error:
         AggregatingAllReduce(compression=bad)
