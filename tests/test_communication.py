@@ -153,7 +153,7 @@ def test_mixed_precisions_finite_agreements_are_all_reduces_of_a_float(sharded):
         if sharded else {"all_reduce": 1, "bytes_sent": FLOAT32_BYTES}
     )
     # The replicas' gradients before they travel; sharded, also the summed
-    # parts, each replica holding others (`Aggregating.checks_combined_finite`).
+    # parts, each replica holding others (`Step.checks_finite`).
     agreements = 2 if sharded else 1
     gradients["all_reduce"] = gradients.get("all_reduce", 0) + agreements
     gradients["bytes_sent"] += 4 * agreements

@@ -325,12 +325,12 @@ def test_overrides_of_private_methods_are_listed_in_compat():
 
 
 def test_a_release_that_renames_an_overridden_method_fails_naming_it(monkeypatch):
-    """What a Keras that renamed `_clip_gradients` would do: the check above
-    names that entry, and only it."""
+    """What a Keras that renamed `_backend_apply_gradients` would do: the
+    check above names that entry, and only it."""
     for cls in keras.optimizers.Optimizer.__mro__:
-        if "_clip_gradients" in vars(cls):
-            monkeypatch.delattr(cls, "_clip_gradients")
-    assert _unlisted_and_stale_overrides() == ({}, ["_clip_gradients"])
+        if "_backend_apply_gradients" in vars(cls):
+            monkeypatch.delattr(cls, "_backend_apply_gradients")
+    assert _unlisted_and_stale_overrides() == ({}, ["_backend_apply_gradients"])
 
 
 # Versions ---------------------------------------------------------------------
@@ -437,13 +437,6 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     "os._exit": "Python's documented exit without clean-up, not Keras or TensorFlow.",
     "optimizer._communication": "tf_agn's own CommunicationCounter on its optimizers, "
     "read across modules (tf_agn/communication.py).",
-    "optimizer._update_in_place": "tf_agn's own Aggregating method (the Keras class's "
-    "update rule in the current context), run by tf_agn/optimizers/sharded_step.py.",
-    "optimizer._decay": "tf_agn's own Aggregating method (Keras's weight decay, which "
-    "a step defers until the gradients are combined), run by sharded_step.py.",
-    "optimizer._combined_finite": "tf_agn's own Aggregating attribute: whether a step's "
-    "combined gradients were finite, set by accumulation.py and sharded_step.py and "
-    "read by `apply_loss_scaled`.",
 }
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")

@@ -29,10 +29,11 @@ from conftest import DEVICES
 from tf_agn import packing
 from tf_agn.transports import local
 
-# Issue 39 asks 6. Today's widest road crosses 8: sharded state with
-# accumulation on the collective transport (aggregating, accumulation,
-# sharded_step, replica_aggregation, combining, packing, the transport and
-# its group); one step object per kind of step is what remains.
+# Issue 39 asks 6. Today's widest roads cross 8 on the collective transport:
+# a cast (aggregating, step, replica_aggregation, combining,
+# compression.cast, packing, the transport and its group) and
+# DistributedOptimizer (distributed_optimizer, aggregating, step, ...,
+# compression.int8, the transport and its group).
 MAX_MODULES = 8
 # (configuration, transport, module) for each module a road enters twice
 # today; issue 39 asks for none. A new re-entry fails, and so does one fixed

@@ -1,7 +1,8 @@
 """tf_agn: control how gradients from many replicas are combined.
 
-A gradient's road: a tf_agn optimizer (`tf_agn.optimizers`) calls
-`tf_agn.aggregate` (replica_aggregation.py) in replica context, or
+A gradient's road: a tf_agn optimizer's step (`tf_agn.optimizers.step`,
+chosen when the optimizer is built) calls `tf_agn.aggregate`
+(replica_aggregation.py) in replica context, or
 `reduce_scatter`/`all_gather`/`all_to_all` there for sharded state; all of
 them meet the local replicas in one `merge_call`, where
 `combining.combine_replicas` routes the values to a transport's collective

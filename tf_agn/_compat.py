@@ -36,7 +36,8 @@ From Keras:
   `merge_call`; so NONE steps stay local and `steps_per_execution > 1`
   works (`InPlaceUpdates`, which tf_agn's optimizer classes place after
   the Keras class, so that a class's own override, Nadam's, still runs;
-  `update_step_in_place`, `apply_weight_decay`, `clip_gradients_in_place`).
+  `update_step`, `update_step_in_place`, `apply_weight_decay`,
+  `clip_gradients_in_place`).
 - `BaseOptimizer.add_variable_from_reference`, plain: Keras' TensorFlow
   optimizer colocates slots through the strategy, which
   `ParameterServerStrategy` refuses for worker-local weights
@@ -86,10 +87,13 @@ From Keras:
   config would decay what the user excluded
   (`copy_weight_decay_exclusions`, for the wrapped optimizers;
   `excluded_weight_decay_names`, which a saved config keeps).
-- `BaseOptimizer._backend_apply_gradients`, `_clip_gradients`,
-  `_apply_weight_decay` and `_backend_update_step` as hooks, which
-  `tf_agn.optimizers.Aggregating` overrides to clip after the all-reduce,
-  route accumulated steps and communicate by itself.
+- `BaseOptimizer._backend_apply_gradients`, which
+  `tf_agn.optimizers.Aggregating` overrides to run its own step (it
+  decays, clips and updates after the all-reduce: `apply_weight_decay`,
+  `clip_gradients_in_place`, `update_step`), then Keras's moving average
+  of the weights (`update_moving_average`, with
+  `_update_model_variables_moving_average` and
+  `_overwrite_model_variables_with_average_value`).
 """
 
 import contextlib
@@ -274,6 +278,29 @@ def uses_weight_decay(optimizer, variable):
     return optimizer._use_weight_decay(variable)
 
 
+def update_step(optimizer, grads, variables, learning_rate):
+    """Runs `optimizer`'s own `_backend_update_step`: for tf_agn's classes,
+    the Keras class's update rule in the current context (`InPlaceUpdates`)."""
+    optimizer._backend_update_step(grads, variables, learning_rate)
+
+
+def update_moving_average(optimizer):
+    """Keras's step of `optimizer`'s moving average of the weights
+    (`use_ema`), as its `_backend_apply_gradients` ends."""
+    if not optimizer.use_ema:
+        return
+    optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+    if optimizer.ema_overwrite_frequency:
+        should_overwrite_model_vars = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+        keras.ops.cond(
+            should_overwrite_model_vars,
+            lambda: optimizer._overwrite_model_variables_with_average_value(
+                optimizer._trainable_variables
+            ),
+            lambda: None,
+        )
+
+
 def update_step_in_place(optimizer, grads, variables, learning_rate):
     """Runs the update rule of `optimizer`, a Keras optimizer that is not
     tf_agn's, on `variables` in the current context, without the all-reduce
@@ -429,17 +456,16 @@ def slots_created_plainly(optimizer):
 # here, and on an entry that no tf_agn class overrides.
 OVERRIDDEN_PRIVATE_METHODS = {
     # tf_agn.optimizers.Aggregating: where Keras's TensorFlow optimizer
-    # clips, all-reduces and applies, which tf_agn does its own way.
+    # clips, all-reduces and applies, which tf_agn's step does its own way.
     "_backend_apply_gradients": "`apply` calls it with the gradients "
     "(test_compat::test_aggregating_overrides_keras_optimizer_hooks).",
-    "_backend_update_step": "`_backend_apply_gradients` calls it to all-reduce "
-    "and update (test_aggregating_overrides_keras_optimizer_hooks).",
-    "_clip_gradients": "`_backend_apply_gradients` clips with it before the "
-    "all-reduce (test_aggregating_overrides_keras_optimizer_hooks).",
-    "_apply_weight_decay": "`apply` decays with it through `merge_call` "
+    # tf_agn._compat.InPlaceUpdates: Keras's TensorFlow optimizer updates and
+    # decays through `merge_call`; these run in the calling context, after the
+    # Keras class (test_in_place_updates_run_a_keras_classs_own_update_step).
+    "_backend_update_step": "`_backend_apply_gradients` calls it to update "
     "(test_aggregating_overrides_keras_optimizer_hooks).",
-    # tf_agn._compat.InPlaceUpdates overrides the last two as well, after
-    # the Keras class (test_in_place_updates_run_a_keras_classs_own_update_step).
+    "_apply_weight_decay": "`_backend_apply_gradients` decays with it "
+    "(test_aggregating_overrides_keras_optimizer_hooks).",
     # tf_agn.AggregatingAllReduce: hooks of tf.distribute.CrossDeviceOps.
     "_all_reduce": "a strategy's replica-context all-reduce in a traced step "
     "(MultiWorkerMirroredStrategy; MirroredStrategy in XLA on GPUs) calls it "

@@ -17,11 +17,6 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.aggregation import AggregationMethod
-from tf_agn.finite import all_finite
-from tf_agn.optimizers.loss_scaling import loss_scaled
-from tf_agn.optimizers.sharded_step import apply_sharded
-from tf_agn.replica_aggregation import aggregate
-from tf_agn.replica_aggregation import keras_loss_divisor
 
 ACCUMULATION_REDUCTIONS = ("mean", "sum")
 
@@ -75,50 +70,54 @@ def add_accumulator(optimizer, reference_variable, method):
     return variable
 
 
-def accumulate_and_apply(optimizer, grads, variables, apply_accumulated):
-    """One micro-step of gradient accumulation, in replica context.
+class Accumulation:
+    """Sums each replica's micro-step gradients in its accumulators, so that
+    every `steps`-th micro-step applies their sum or mean.
 
-    `apply_accumulated(grads, variables)` applies the combined sum locally
-    (unused where the state is sharded: `apply_sharded` does all).
+    Args:
+        optimizer: the optimizer whose accumulators (`add_accumulator`) and
+            micro-step count are used.
+        steps: the micro-steps per applied step, >= 2.
+        reduction: "mean" or "sum" (`check_accumulation_reduction`).
+
+    Example:
+
+    ```python
+    micro_step = accumulation.micro_step(grads, variables)
+    # ... combine and apply `micro_step.sums` where `micro_step.is_last` ...
+    tf.cond(micro_step.is_last, micro_step.reset, micro_step.store)
+    ```
     """
-    # Keras' own accumulation calls `merge_call` inside a `tf.cond`, which
-    # tf.distribute rejects (keras-team/keras#20582).
-    steps = optimizer.gradient_accumulation_steps
-    is_last = tf.equal((_compat.micro_step(optimizer) + 1) % steps, 0)
-    accumulators = [_compat.accumulator_of(optimizer, v) for v in variables]
-    accumulated = [
-        tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)
-    ]
-    scale = 1 / steps if optimizer.accumulation_reduction == "mean" else 1
 
-    def accumulate():
-        for accumulator, total in zip(accumulators, accumulated):
+    def __init__(self, optimizer, steps, reduction):
+        self.optimizer = optimizer
+        self.steps = steps
+        # The Python number the summed gradients are multiplied by.
+        self.scale = 1 / steps if reduction == "mean" else 1
+
+    def micro_step(self, grads, variables):
+        """This micro-step's `MicroStep` for `grads` of `variables`."""
+        # Keras' own accumulation calls `merge_call` inside a `tf.cond`, which
+        # tf.distribute rejects (keras-team/keras#20582).
+        is_last = tf.equal((_compat.micro_step(self.optimizer) + 1) % self.steps, 0)
+        accumulators = [_compat.accumulator_of(self.optimizer, v) for v in variables]
+        return MicroStep(accumulators, grads, is_last)
+
+
+class MicroStep:
+    """One micro-step: the accumulated `sums` and whether it `is_last`."""
+
+    def __init__(self, accumulators, grads, is_last):
+        self.accumulators = accumulators
+        self.sums = [tf.convert_to_tensor(g) + a.value for g, a in zip(grads, accumulators)]
+        self.is_last = is_last
+
+    def store(self):
+        """Keeps the sums for the next micro-step."""
+        for accumulator, total in zip(self.accumulators, self.sums):
             accumulator.assign(total)
 
-    def reset():
-        for accumulator in accumulators:
+    def reset(self):
+        """Zeroes the accumulators, after the last micro-step."""
+        for accumulator in self.accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
-
-    if optimizer.shards is not None:
-        apply_sharded(optimizer, accumulated, variables, scale, is_last)
-        tf.cond(is_last, reset, accumulate)
-        return
-    wire_scale = optimizer.wire_loss_scale()
-    combined = aggregate(
-        loss_scaled(accumulated, wire_scale),
-        optimizer.aggregation,
-        value_scale=keras_loss_divisor() * scale,
-        counter=optimizer._communication,
-        when=is_last,
-        **optimizer.compression_arguments(variables),
-    )
-    combined = loss_scaled(combined, wire_scale, inverse=True)
-    # An accumulated sum that overflowed anywhere, or on the wire, is skipped whole.
-    finite = all_finite(combined)
-    optimizer._combined_finite = tf.logical_or(tf.logical_not(is_last), finite)
-
-    def apply():
-        tf.cond(finite, lambda: apply_accumulated(combined, variables), lambda: None)
-        reset()
-
-    tf.cond(is_last, apply, accumulate)

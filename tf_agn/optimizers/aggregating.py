@@ -10,26 +10,20 @@ from tf_agn import agreement
 from tf_agn import compression as compression_lib
 from tf_agn.aggregation import AggregationMethod
 from tf_agn.communication import CommunicationCounter
-from tf_agn.finite import all_finite
 from tf_agn.memory import memory_stats
-from tf_agn.optimizers.accumulation import accumulate_and_apply
+from tf_agn.optimizers.accumulation import Accumulation
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.accumulation import check_accumulation_steps
 from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compressor_state import add_compressor_state
-from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.compressor_state import check_sparse_gradients
-from tf_agn.optimizers.compressor_state import compressor_state_of
 from tf_agn.optimizers.compressor_state import declared_sparse
-from tf_agn.optimizers.loss_scaling import loss_scaled
-from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers import saving
-from tf_agn.optimizers.sharded_step import apply_sharded
+from tf_agn.optimizers.sharded_step import ShardedStep
 from tf_agn.optimizers.sharding import Shards
-from tf_agn.replica_aggregation import aggregate
+from tf_agn.optimizers.step import Step
 from tf_agn.replica_aggregation import default_aggregation
-from tf_agn.replica_aggregation import keras_loss_divisor
 
 
 class Aggregating(Communicating):
@@ -101,9 +95,7 @@ class Aggregating(Communicating):
                 "tf_agn's optimizers do not combine gradient_accumulation_steps "
                 "with use_ema=True yet; use one or the other."
             )
-        self._combining = False
-        # Set while a `LossScaleOptimizer` steps (`apply_loss_scaled`).
-        self._loss_scale = self._combined_finite = None
+        self._step = None
 
     @property
     def aggregation(self):
@@ -136,14 +128,18 @@ class Aggregating(Communicating):
             self._sharded.register_parts(self, variables)
         self._communication = CommunicationCounter(self)
         self._compression_state = add_compressor_state(self, variables, compressor, sparse)
-
-    def compression_arguments(self, variables):
-        """`aggregate`'s compression arguments for the gradients of `variables`."""
-        return {
-            "compressor": self.compressor,
-            "state": compressor_state_of(self, variables, self._compression_state),
-            "step": self.iterations,
-        }
+        accumulation = None
+        if self.gradient_accumulation_steps:
+            accumulation = Accumulation(
+                self, self.gradient_accumulation_steps, self.accumulation_reduction
+            )
+        # The optimizer's own compressor, even with NONE: a cast's loss
+        # scaling of the gradients depends on it.
+        arguments = (self, method, self.compressor, self._compression_state, self._communication)
+        if self._sharded is None:
+            self._step = Step(*arguments, accumulation=accumulation)
+        else:
+            self._step = ShardedStep(self._sharded, *arguments, accumulation=accumulation)
 
     def memory_stats(self):
         """The bytes one replica holds for this optimizer and its weights, as
@@ -169,92 +165,17 @@ class Aggregating(Communicating):
         )
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras clips and decays before the all-reduce; we do both after it.
-        self._combining = True
         # Keras's `apply` takes variables in any order; every replica must send
         # them in one.
         grads, trainable_variables = in_built_order(self, grads, trainable_variables)
-        try:
-            if self.gradient_accumulation_steps:
-                accumulate_and_apply(self, grads, trainable_variables, self._apply_combined)
-            else:
-                super()._backend_apply_gradients(grads, trainable_variables)
-        finally:
-            self._combining = False
-
-    def _clip_gradients(self, grads):
-        return grads if self._combining else super()._clip_gradients(grads)
-
-    def _apply_weight_decay(self, variables):
-        if not self._combining:
-            super()._apply_weight_decay(variables)
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if self._sharded is not None:
-            # It clips and decays the parts itself, with norms across replicas.
-            apply_sharded(self, grads, trainable_variables)
-            return
-        arguments = self.compression_arguments(trainable_variables)
-        check_gradients(grads, trainable_variables, arguments["state"], self.sparse_gradients)
-        wire_scale = self.wire_loss_scale()
-        grads = aggregate(
-            loss_scaled(grads, wire_scale),
-            self.aggregation,
-            value_scale=keras_loss_divisor(),
-            counter=self._communication,
-            **arguments,
-        )
-        grads = loss_scaled(grads, wire_scale, inverse=True)
-        finite = all_finite(grads) if self.checks_combined_finite() else None
-        self._apply_combined(grads, trainable_variables, learning_rate, finite)
-
-    def _apply_combined(self, grads, trainable_variables, learning_rate=None, finite=None):
-        """Decays, clips and updates with the combined `grads`; where
-        `finite` (a tensor, alike on every replica) is false, skips the step."""
-        learning_rate = self.learning_rate if learning_rate is None else learning_rate
-
-        def apply():
-            self._decay(trainable_variables)
-            clipped = _compat.clip_gradients_in_place(self, grads)
-            self._update_in_place(clipped, trainable_variables, learning_rate)
-
-        if finite is None:
-            apply()
-            return
-        self._combined_finite = finite
-        tf.cond(finite, apply, lambda: None)
-        not_counted(self, finite)
-
-    def _decay(self, variables):
-        # Keras's own weight decay, which `_apply_weight_decay` defers.
-        super()._apply_weight_decay(variables)
-
-    def checks_combined_finite(self):
-        """Whether a step whose combined gradients are not finite is skipped:
-        with a cast (it can overflow on the wire) or under loss scaling."""
-        return self._loss_scale is not None or self._travels_loss_scaled()
-
-    def wire_loss_scale(self):
-        """The loss scale a cast sends the gradients multiplied by, or None."""
-        return self._loss_scale if self._travels_loss_scaled() else None
-
-    def _travels_loss_scaled(self):
-        compressor = self.compressor
-        return compressor is not None and compressor.travels_loss_scaled
+        self._step.apply(grads, trainable_variables)
+        _compat.update_moving_average(self)
 
     def apply_loss_scaled(self, apply, loss_scale):
         """Runs `apply()`, a `LossScaleOptimizer`'s step, under `loss_scale`;
         returns whether the combined gradients were finite (a scalar
         boolean tensor, the same on every replica)."""
-        self._loss_scale, self._combined_finite = loss_scale, tf.constant(True)
-        try:
-            apply()
-            return self._combined_finite
-        finally:
-            self._loss_scale = None
-
-    def _update_in_place(self, grads, trainable_variables, learning_rate):
-        super()._backend_update_step(grads, trainable_variables, learning_rate)
+        return self._step.loss_scaled(apply, loss_scale)
 
     def save_own_variables(self, store):
         saving.save(self, store)

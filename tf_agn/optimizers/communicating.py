@@ -10,7 +10,8 @@ class Communicating:
     """Compressor, traffic counts and finite agreement of an optimizer.
 
     Its class sets `compression` and, when built, `_communication` (a
-    `tf_agn.CommunicationCounter`) and `_compression_state`.
+    `tf_agn.CommunicationCounter`) and `_compression_state`, which its step
+    uses.
     """
 
     @property

@@ -1,4 +1,5 @@
-"""One step of an optimizer whose state is sharded (`tf_agn.optimizers.sharding`)."""
+"""`ShardedStep`: one step of an optimizer whose state is sharded
+(`tf_agn.optimizers.sharding`)."""
 
 import tensorflow as tf
 
@@ -11,6 +12,7 @@ from tf_agn.finite import all_finite
 from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
+from tf_agn.optimizers.step import Step
 from tf_agn.replica_aggregation import aggregate
 from tf_agn.replica_aggregation import all_gather
 from tf_agn.replica_aggregation import all_to_all
@@ -18,94 +20,177 @@ from tf_agn.replica_aggregation import keras_loss_divisor
 from tf_agn.replica_aggregation import reduce_scatter
 
 
-def apply_sharded(optimizer, grads, variables, value_scale=1, when=None):
-    """One sharded step of `optimizer`, in replica context.
+class ShardedStep(Step):
+    """A `Step` for sharded state: reduce-scatters the gradients, updates
+    this replica's parts of the weights and all-gathers them.
 
-    `variables` come in the order built; `grads` are multiplied by the
-    Python number `value_scale` first; with `when`, a boolean tensor alike
-    on every replica, nothing travels or changes where it is false.
+    Args:
+        shards: the optimizer's `Shards`.
+        *args: as `Step`'s.
+
+    Example:
+
+    ```python
+    step = ShardedStep(shards, optimizer, AggregationMethod.MEAN, None, states, counter)
+    step.apply(grads, variables)  # in replica context, variables as built
+    ```
     """
-    state = optimizer.shards
-    # Kept by position among the variables built, never in this call.
-    indices = [state.index_of(v) for v in variables]
-    rank = tf.distribute.get_replica_context().replica_id_in_sync_group
-    arguments = optimizer.compression_arguments(variables)
-    check_gradients(grads, variables, arguments["state"], optimizer.sparse_gradients)
-    residuals = [s.get("residual") for s in arguments["state"]]
-    wire_scale = optimizer.wire_loss_scale()
-    grads = loss_scaled(grads, wire_scale)
-    combined = [None] * len(grads)
-    dense = []
-    for position, grad in enumerate(grads):
-        if isinstance(grad, tf.IndexedSlices):
-            combined[position] = _part_of_sparse(
-                optimizer, grad, indices[position], rank, value_scale, when
-            )
-        else:
-            dense.append(position)
-    rows = {p: state.rows(grads[p], indices[p]) for p in dense}
-    # {pattern: [bytes, condition]}; the weights' all-gather is half an
-    # all-reduce's volume.
-    traffic = {"all_gather": [sum(
-        state.part_sizes[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
-        for i, v in zip(indices, variables)
-    ), None]}
-    new_residuals = {}
-    for pack in _packs(state, indices, dense):
-        joined = tf.concat([rows[p] for p in pack], 1)
-        residual = None
-        if residuals[pack[0]] is not None:
-            residual = tf.concat([state.rows(residuals[p], indices[p]) for p in pack], 1)
-        summed, error, sent = _reduce_scatter(
-            optimizer, arguments, joined, residual, value_scale, when
+
+    def __init__(self, shards, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shards = shards
+
+    def apply(self, grads, variables):
+        """Combines `grads` and updates `variables` (in the order built)."""
+        if self.accumulation is None:
+            self._apply(grads, variables)
+            return
+        micro_step = self.accumulation.micro_step(grads, variables)
+        self._apply(micro_step.sums, variables, self.accumulation.scale, micro_step.is_last)
+        tf.cond(micro_step.is_last, micro_step.reset, micro_step.store)
+
+    def _apply(self, grads, variables, value_scale=1, when=None):
+        """`apply`, of `grads` multiplied by the Python number `value_scale`
+        first; with `when`, a boolean tensor alike on every replica, nothing
+        travels or changes where it is false."""
+        optimizer, state = self.optimizer, self.shards
+        # Kept by position among the variables built, never in this call.
+        indices = [state.index_of(v) for v in variables]
+        rank = tf.distribute.get_replica_context().replica_id_in_sync_group
+        states = self.states_of(variables)
+        check_gradients(grads, variables, states, optimizer.sparse_gradients)
+        residuals = [s.get("residual") for s in states]
+        wire_scale = self.wire_loss_scale()
+        grads = loss_scaled(grads, wire_scale)
+        combined = [None] * len(grads)
+        dense = []
+        for position, grad in enumerate(grads):
+            if isinstance(grad, tf.IndexedSlices):
+                combined[position] = self._part_of_sparse(
+                    grad, indices[position], rank, value_scale, when
+                )
+            else:
+                dense.append(position)
+        rows = {p: state.rows(grads[p], indices[p]) for p in dense}
+        # {pattern: [bytes, condition]}; the weights' all-gather is half an
+        # all-reduce's volume.
+        traffic = {"all_gather": [sum(
+            state.part_sizes[i] * state.num_replicas * tf.as_dtype(v.dtype).size // 2
+            for i, v in zip(indices, variables)
+        ), None]}
+        new_residuals = {}
+        for pack in _packs(state, indices, dense):
+            joined = tf.concat([rows[p] for p in pack], 1)
+            residual = None
+            if residuals[pack[0]] is not None:
+                residual = tf.concat([state.rows(residuals[p], indices[p]) for p in pack], 1)
+            summed, error, sent = self._reduce_scatter(joined, residual, value_scale, when)
+            for pattern, (nbytes, condition) in sent.items():
+                traffic.setdefault(pattern, [0, condition])[0] += nbytes
+            sizes = [state.part_sizes[indices[p]] for p in pack]
+            for p, part in zip(pack, tf.split(summed, sizes)):
+                combined[p] = part
+            if error is not None:
+                new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
+        for pattern, (nbytes, condition) in traffic.items():
+            self.counter.record(pattern, nbytes, _both(when, condition))
+        combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when, self.counter)
+        if when is not None or self.checks_finite():
+            when = self._where_finite(combined, when)
+        parts = state.parts_at(indices)
+
+        def step():
+            for variable, part, index in zip(variables, parts, indices):
+                part.assign(tf.gather(state.rows(variable, index), rank))
+            _compat.apply_weight_decay(optimizer, [
+                part for part, variable in zip(parts, variables)
+                if _compat.uses_weight_decay(optimizer, variable)
+            ])
+            _compat.update_step(optimizer, combined, parts, optimizer.learning_rate)
+            for p, error in new_residuals.items():
+                whole = tf.reshape(error, [-1])[: state.sizes[indices[p]]]
+                residuals[p].assign(tf.reshape(whole, residuals[p].shape))
+
+        _run_if(when, step)
+        gathered = [
+            (pack, all_gather([tf.concat([parts[p] for p in pack], 0)], when)[0])
+            for pack in _packs(state, indices, range(len(variables)))
+        ]
+        _run_if(when, lambda: _assign_gathered(state, gathered, variables, indices))
+
+    def _where_finite(self, parts, when):
+        """`when` (None: always), and where every replica's `parts` are finite."""
+        (non_finite,) = aggregate(
+            [tf.cast(tf.logical_not(all_finite(parts)), tf.float32)],
+            AggregationMethod.SUM, counter=self.counter, when=when,
         )
-        for pattern, (nbytes, condition) in sent.items():
-            traffic.setdefault(pattern, [0, condition])[0] += nbytes
-        sizes = [state.part_sizes[indices[p]] for p in pack]
-        for p, part in zip(pack, tf.split(summed, sizes)):
-            combined[p] = part
+        finite = tf.equal(non_finite, 0.0)
+        if when is None:
+            self.finite = finite
+            not_counted(self.optimizer, finite)
+            return finite
+        self.finite = tf.logical_or(tf.logical_not(when), finite)
+        return tf.logical_and(when, finite)
+
+    def _part_of_sparse(self, grad, index, rank, value_scale, when):
+        """This replica's part of the replicas' combined sparse `grad`."""
+        # Repeated indices are kept: Keras's rules treat slices one by one.
+        (summed,) = aggregate(
+            [grad], self.method,
+            value_scale=keras_loss_divisor() * value_scale,
+            counter=self.counter, when=when,
+        )
+        values = tf.reshape(summed.values, [tf.shape(summed.values)[0], -1])
+        row_length = tf.shape(values, out_type=tf.int64)[1]
+        columns = tf.range(row_length, dtype=tf.int64)
+        part = self.shards.part_sizes[index]
+        flat = tf.cast(summed.indices, tf.int64)[:, None] * row_length + columns[None, :]
+        flat = tf.reshape(flat, [-1]) - tf.cast(rank, tf.int64) * part
+        mine = tf.logical_and(flat >= 0, flat < part)
+        return tf.IndexedSlices(
+            tf.boolean_mask(tf.reshape(values, [-1]), mine),
+            tf.boolean_mask(flat, mine),
+            dense_shape=tf.constant([part], tf.int64),
+        )
+
+    def _reduce_scatter(self, joined, residual, value_scale, when):
+        """This replica's part of one pack's rows `joined` ([n, length]), combined.
+
+        Returns:
+            `(part, new residual rows or None, {pattern: (bytes, condition)})`.
+        """
+        compressor, method = self.compressor, self.method
+        scale = keras_loss_divisor() * value_scale
+        num_replicas, length = joined.shape
+        exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
+        if not compresses(compressor, joined):
+            (part,) = reduce_scatter([joined], method, scale, when)
+            return part, None, {"reduce_scatter": (exact_bytes, None)}
+        # Compressed rows travel weighted in float32, as on every path.
+        weighted = packing.scaled(joined, contributor_weight(method, joined.dtype, num_replicas, scale))
+        wire, error = compressor.encode_rows(weighted, residual)
+        (pattern,) = compressor.patterns["reduce_scatter"]
+        sent = compressor.wire_bytes([joined], num_replicas) // 2
+
+        def carried(condition):
+            if pattern == "reduce_scatter":
+                return reduce_scatter([wire], AggregationMethod.SUM, when=condition)[0]
+            return all_to_all([wire], condition)[0]
+
+        if not compressor.start_step:
+            part = compressor.decode_rows(carried(when), length, joined.dtype)
+            return part, error, {pattern: (sent, None)}
+        # Before `start_step` the rows travel exactly and the residual waits.
+        compressing = tf.greater_equal(self.optimizer.iterations, compressor.start_step)
+        exactly = tf.logical_not(compressing)
+        (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
+        received = carried(_both(when, compressing))
+        part = tf.where(compressing, compressor.decode_rows(received, length, joined.dtype), exact)
         if error is not None:
-            new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
-    for pattern, (nbytes, condition) in traffic.items():
-        optimizer._communication.record(pattern, nbytes, _both(when, condition))
-    combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when)
-    if when is not None or optimizer.checks_combined_finite():
-        when = _where_finite(optimizer, combined, when)
-    parts = state.parts_at(indices)
-
-    def step():
-        for variable, part, index in zip(variables, parts, indices):
-            part.assign(tf.gather(state.rows(variable, index), rank))
-        optimizer._decay([
-            part for part, variable in zip(parts, variables)
-            if _compat.uses_weight_decay(optimizer, variable)
-        ])
-        optimizer._update_in_place(combined, parts, optimizer.learning_rate)
-        for p, error in new_residuals.items():
-            whole = tf.reshape(error, [-1])[: state.sizes[indices[p]]]
-            residuals[p].assign(tf.reshape(whole, residuals[p].shape))
-
-    _run_if(when, step)
-    gathered = [
-        (pack, all_gather([tf.concat([parts[p] for p in pack], 0)], when)[0])
-        for pack in _packs(state, indices, range(len(variables)))
-    ]
-    _run_if(when, lambda: _assign_gathered(state, gathered, variables, indices))
-
-
-def _where_finite(optimizer, parts, when):
-    """`when` (None: always), and where every replica's `parts` are finite."""
-    (non_finite,) = aggregate(
-        [tf.cast(tf.logical_not(all_finite(parts)), tf.float32)],
-        AggregationMethod.SUM, counter=optimizer._communication, when=when,
-    )
-    finite = tf.equal(non_finite, 0.0)
-    if when is None:
-        optimizer._combined_finite = finite
-        not_counted(optimizer, finite)
-        return finite
-    optimizer._combined_finite = tf.logical_or(tf.logical_not(when), finite)
-    return tf.logical_and(when, finite)
+            error = tf.where(compressing, error, residual)
+        return part, error, {
+            "reduce_scatter": (exact_bytes, exactly), pattern: (sent, compressing)
+        }
 
 
 def _packs(state, indices, positions):
@@ -117,69 +202,6 @@ def _packs(state, indices, positions):
     ]
 
 
-def _part_of_sparse(optimizer, grad, index, rank, value_scale, when):
-    """This replica's part of the replicas' combined sparse `grad`."""
-    # Repeated indices are kept: Keras's rules treat slices one by one.
-    state = optimizer.shards
-    (summed,) = aggregate(
-        [grad], optimizer.aggregation,
-        value_scale=keras_loss_divisor() * value_scale,
-        counter=optimizer._communication, when=when,
-    )
-    values = tf.reshape(summed.values, [tf.shape(summed.values)[0], -1])
-    row_length = tf.shape(values, out_type=tf.int64)[1]
-    columns = tf.range(row_length, dtype=tf.int64)
-    part = state.part_sizes[index]
-    flat = tf.cast(summed.indices, tf.int64)[:, None] * row_length + columns[None, :]
-    flat = tf.reshape(flat, [-1]) - tf.cast(rank, tf.int64) * part
-    mine = tf.logical_and(flat >= 0, flat < part)
-    return tf.IndexedSlices(
-        tf.boolean_mask(tf.reshape(values, [-1]), mine),
-        tf.boolean_mask(flat, mine),
-        dense_shape=tf.constant([part], tf.int64),
-    )
-
-
-def _reduce_scatter(optimizer, arguments, joined, residual, value_scale, when):
-    """This replica's part of one pack's rows `joined` ([n, length]), combined.
-
-    Returns:
-        `(part, new residual rows or None, {pattern: (bytes, condition)})`.
-    """
-    compressor, method = arguments["compressor"], optimizer.aggregation
-    scale = keras_loss_divisor() * value_scale
-    num_replicas, length = joined.shape
-    exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
-    if not compresses(compressor, joined):
-        (part,) = reduce_scatter([joined], method, scale, when)
-        return part, None, {"reduce_scatter": (exact_bytes, None)}
-    # Compressed rows travel weighted in float32, as on every path.
-    weighted = packing.scaled(joined, contributor_weight(method, joined.dtype, num_replicas, scale))
-    wire, error = compressor.encode_rows(weighted, residual)
-    (pattern,) = compressor.patterns["reduce_scatter"]
-    sent = compressor.wire_bytes([joined], num_replicas) // 2
-
-    def carried(condition):
-        if pattern == "reduce_scatter":
-            return reduce_scatter([wire], AggregationMethod.SUM, when=condition)[0]
-        return all_to_all([wire], condition)[0]
-
-    if not compressor.start_step:
-        part = compressor.decode_rows(carried(when), length, joined.dtype)
-        return part, error, {pattern: (sent, None)}
-    # Before `start_step` the rows travel exactly and the residual waits.
-    compressing = tf.greater_equal(arguments["step"], compressor.start_step)
-    exactly = tf.logical_not(compressing)
-    (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
-    received = carried(_both(when, compressing))
-    part = tf.where(compressing, compressor.decode_rows(received, length, joined.dtype), exact)
-    if error is not None:
-        error = tf.where(compressing, error, residual)
-    return part, error, {
-        "reduce_scatter": (exact_bytes, exactly), pattern: (sent, compressing)
-    }
-
-
 def _both(when, condition):
     """Where both hold; either may be None (always)."""
     if when is None or condition is None:
@@ -187,10 +209,10 @@ def _both(when, condition):
     return tf.logical_and(when, condition)
 
 
-def clipped(optimizer, parts, when=None):
-    """`parts` of the gradients clipped as `optimizer` clips whole gradients."""
+def clipped(optimizer, parts, when=None, counter=None):
+    """`parts` of the gradients clipped as `optimizer` clips whole gradients
+    (the norms' all-reduce recorded in `counter`)."""
     # Keras's and TensorFlow's formulas, on norms across replicas.
-    counter = optimizer._communication
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         norms = whole_norms(parts, when, counter)
         return [
