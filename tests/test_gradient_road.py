@@ -29,12 +29,15 @@ from conftest import DEVICES
 from tf_agn import packing
 from tf_agn.transports import local
 
-# Issue 39 asks 6. Today's widest roads cross 8 on the collective transport:
-# a cast (aggregating, step, replica_aggregation, combining,
-# compression.cast, packing, the transport and its group) and
-# DistributedOptimizer (distributed_optimizer, aggregating, step, ...,
-# compression.int8, the transport and its group).
-MAX_MODULES = 8
+# Issue 39 asks 6. Today's widest roads cross 7: a cast (aggregating, step,
+# replica_aggregation, combining, compression.cast, packing, the transport)
+# and DistributedOptimizer (distributed_optimizer, aggregating, step,
+# replica_aggregation, combining, compression.int8, the transport). What
+# remains for 6: a Cast that plans its packs and calls the transport itself
+# (packing off the road), the entry and the routing
+# (replica_aggregation, combining) in one module, and DistributedOptimizer's
+# `apply`, which forwards to its inner optimizer's.
+MAX_MODULES = 7
 # (configuration, transport, module) for each module a road enters twice
 # today; issue 39 asks for none. A new re-entry fails, and so does one fixed
 # and still listed.

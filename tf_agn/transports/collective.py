@@ -86,9 +86,8 @@ class CollectiveTransport:
                     flat = tf.zeros([_num_elements(replica_tensors)], dtype)
                 else:
                     flat = packing.flatten(replica_tensors, weight, cast, jit_compile=jit)
-            summed = self.group.launch(
-                tf.raw_ops.CollectiveReduceV2, self.replicas[replica], flat, self.options,
-                merge_op="Add", final_op="Id",
+            summed = self._launch(
+                tf.raw_ops.CollectiveReduceV2, replica, flat, merge_op="Add", final_op="Id"
             )
             with tf.device(device):
                 results.append(packing.unflatten(summed, replica_tensors, cast, jit_compile=jit))
@@ -112,7 +111,7 @@ class CollectiveTransport:
         op = tf.raw_ops.CollectiveReduceScatterV2 if native else tf.raw_ops.CollectiveAllToAllV2
         attributes = {"merge_op": "Add", "final_op": "Id"} if native else {}
         received = [
-            self.group.launch(op, self.replicas[r], tensor, self.options, **attributes)
+            self._launch(op, r, tensor, **attributes)
             for r, tensor in enumerate(tensors)
         ]
         reduced = []
@@ -128,7 +127,7 @@ class CollectiveTransport:
     def all_gather(self, tensors):
         """Every replica's tensor (all of one shape), concatenated in replica order."""
         return [
-            self.group.launch(tf.raw_ops.CollectiveGatherV2, self.replicas[r], tensor, self.options)
+            self._launch(tf.raw_ops.CollectiveGatherV2, r, tensor)
             for r, tensor in enumerate(tensors)
         ]
 
@@ -136,7 +135,7 @@ class CollectiveTransport:
         """Row j of each tensor (first dimension `size`) to replica j, in
         replica order; CPU collectives carry floats and int32/int64."""
         return [
-            self.group.launch(tf.raw_ops.CollectiveAllToAllV2, self.replicas[r], tensor, self.options)
+            self._launch(tf.raw_ops.CollectiveAllToAllV2, r, tensor)
             for r, tensor in enumerate(tensors)
         ]
 
@@ -183,6 +182,13 @@ class CollectiveTransport:
             tf.IndexedSlices(rows, indices, value.dense_shape)
             for (rows, indices), value in zip(self.all_gather_rows(parts), slices)
         ]
+
+    def _launch(self, op, replica, tensor, **attributes):
+        """Local replica `replica`'s part of the `tf.raw_ops` collective
+        `op` on `tensor`, with the op's own `attributes`."""
+        arguments = self.group.next_collective(self.replicas[replica], self.options)
+        with tf.device(self.devices[replica]):
+            return op(input=tensor, **arguments, **attributes)
 
     def _pin(self, per_replica):
         """Each local replica's outputs (any structure) on its device."""

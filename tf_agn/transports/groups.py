@@ -72,27 +72,33 @@ class CollectiveGroup:
         self.eager_functions = {}
         self.eager_lock = threading.Lock()
 
-    def launch(self, op, replica, tensor, options, **attributes):
-        """Local replica `replica`'s part of the `tf.raw_ops` collective
-        `op` on `tensor`, with the op's own `attributes`."""
+    def next_collective(self, replica, options):
+        """The arguments every `tf.raw_ops` collective op takes, for replica
+        `replica`'s next one, under `options` (`CommunicationOptions`).
+
+        Example:
+
+        ```python
+        arguments = group.next_collective(0, options)
+        with tf.device(group.devices[0]):
+            gathered = tf.raw_ops.CollectiveGatherV2(input=tensor, **arguments)
+        ```
+        """
         counter, token = self._state(replica)
         # Instance keys are drawn when the step runs, not when traced, so
         # replicas agree however often a worker retraces.
         with tf.device(counter.device):
             instance_key = counter.assign_add(1) - 1
-        with tf.device(self.devices[replica]):
-            return op(
-                input=tensor,
-                group_size=self.size,
-                group_key=self.key,
-                instance_key=instance_key,
-                # Program order per replica: NCCL deadlocks when two GPUs
-                # start two collectives in different orders.
-                ordering_token=[token.handle],
-                communication_hint=options.implementation.value.lower(),
-                timeout_seconds=options.timeout_seconds or 0,
-                **attributes,
-            )
+        return {
+            "group_size": self.size,
+            "group_key": self.key,
+            "instance_key": instance_key,
+            # Program order per replica: NCCL deadlocks when two GPUs
+            # start two collectives in different orders.
+            "ordering_token": [token.handle],
+            "communication_hint": options.implementation.value.lower(),
+            "timeout_seconds": options.timeout_seconds or 0,
+        }
 
     def _state(self, replica):
         """Replica `replica`'s instance-key counter and ordering token."""
