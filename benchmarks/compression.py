@@ -67,7 +67,7 @@ next step instead of losing it. Four parts measure these sides:
 3. **Bytes on ResNet-50's gradients** (25.6M float32 values, the shapes
    of `allreduce.py`'s `resnet50` set): what one replica sends with each
    compressor, as `communication_stats()` counts it
-   (`tf_agn.communication.payload_bytes`: tf_agn's default packs across
+   (`tf_agn.collectives.communication.payload_bytes`: tf_agn's default packs across
    `--num_workers` replicas, int8's padding included), against float32.
    Computed, not timed.
 
@@ -130,8 +130,8 @@ import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
 import shaped_link  # noqa: E402  (benchmarks/shaped_link.py)
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
-from tf_agn import communication  # noqa: E402
-from tf_agn.packing import DEFAULT_BYTES_PER_PACK  # noqa: E402
+from tf_agn.collectives import communication  # noqa: E402
+from tf_agn.collectives.packing import DEFAULT_BYTES_PER_PACK  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
 
 # Targets.
@@ -492,7 +492,7 @@ def codec_fn(name, values, scale):
         A `tf.function` of no arguments returning a scalar that depends on
         every result.
     """
-    from tf_agn import packing
+    from tf_agn.collectives import packing
     from tf_agn.transports import LocalTransport
 
     compressor = tf_agn.compression.get(COMPRESSIONS[name]())

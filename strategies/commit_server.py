@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 from tf_agn import compression
-from tf_agn.finite import all_finite
+from tf_agn.collectives.finite import all_finite
 
 # What `CommitServer.apply` did with a commit.
 APPLIED, REJECTED_NON_FINITE, DUPLICATE = 0, 1, 2

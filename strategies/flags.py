@@ -5,7 +5,7 @@ from absl import flags
 import tensorflow as tf
 
 from tf_agn import compression
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.strategies import tf_config
 from tf_agn.strategies.mirrored import mirrored
 from tf_agn.strategies.mirrored import split_cpu

@@ -10,8 +10,8 @@ import threading
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import agreement
-from tf_agn.cross_device_ops import AggregatingAllReduce
+from tf_agn.collectives import agreement
+from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
 from tf_agn.strategies import rendezvous
 from tf_agn.strategies import tf_config
 

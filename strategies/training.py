@@ -10,7 +10,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.training_loop import run_epochs
+from tf_agn.utils.training_loop import run_epochs
 from tf_agn.strategies.commit_server import APPLIED
 from tf_agn.strategies.commit_server import CommitServer
 from tf_agn.strategies.commit_server import REJECTED_NON_FINITE

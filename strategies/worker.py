@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import compression
-from tf_agn.finite import all_finite
+from tf_agn.collectives.finite import all_finite
 from tf_agn.optimizers.windowed import optimizer_state
 from tf_agn.strategies.worker_state import per_worker_variables
 

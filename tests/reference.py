@@ -4,7 +4,7 @@ separate `tf.GradientTape` runs on plain tensors, combined in numpy."""
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.collectives.aggregation_method import AggregationMethod
 
 
 def mlp_forward(params, x):

@@ -34,8 +34,8 @@ from compression_model import build
 from compression_model import data
 from conftest import DEVICES
 from tf_agn import compression
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.combining import combine_replicas
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.routing import combine_replicas
 from tf_agn.transports import ReplicaTransport
 from worker_cluster import run_workers
 
@@ -180,16 +180,16 @@ class _Context:
 
 @pytest.mark.parametrize("size, warns", [(7, False), (8, True)])
 def test_a_gathered_int8_payload_past_a_float32_rings_warns(size, warns):
-    from tf_agn import replica_aggregation
+    from tf_agn.collectives import replica_context
 
     context = _Context(size)
     values = [tf.zeros([1024, 64])]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        replica_aggregation._warn_if_gathering_costs_more(
+        replica_context._warn_if_gathering_costs_more(
             context, compression.Int8(), values, ReplicaTransport(context)
         )
-        replica_aggregation._warn_if_gathering_costs_more(
+        replica_context._warn_if_gathering_costs_more(
             context, compression.PowerSGD(rank=4), values, ReplicaTransport(context)
         )
     messages = [str(w.message) for w in caught]

@@ -436,7 +436,7 @@ def test_a_keras_file_is_unreadable_only_on_an_older_keras_that_fails_on_it(tmp_
 ALLOWED_PRIVATE_ATTRIBUTES = {
     "os._exit": "Python's documented exit without clean-up, not Keras or TensorFlow.",
     "optimizer._communication": "tf_agn's own CommunicationCounter on its optimizers, "
-    "read across modules (tf_agn/communication.py).",
+    "read across modules (tf_agn/collectives/communication.py).",
 }
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")

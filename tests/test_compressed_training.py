@@ -21,7 +21,7 @@ from compression_model import data
 from conftest import DEVICES
 from multi_worker_data import COMPRESSION_STATE
 from tf_agn import compression
-from tf_agn import resizing
+from tf_agn.resuming import resizing
 
 TRANSPORTS = ["local", "collective"]
 BATCH = 64

@@ -26,7 +26,7 @@ from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from multi_worker_data import large_values
 import replica_aggregate
-from tf_agn import agreement
+from tf_agn.collectives import agreement
 from tf_agn import compression
 
 SUM = tf.distribute.ReduceOp.SUM

@@ -25,7 +25,7 @@ import replica_aggregate
 import tf_agn
 from tf_agn import AggregatingAllReduce
 from tf_agn import AggregationMethod
-from tf_agn import packing
+from tf_agn.collectives import packing
 
 SUM = tf.distribute.ReduceOp.SUM
 MEAN = tf.distribute.ReduceOp.MEAN

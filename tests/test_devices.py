@@ -1,9 +1,9 @@
-"""tf_agn.devices: reading device names, and finding this process's."""
+"""tf_agn.utils.devices: reading device names, and finding this process's."""
 
 import pytest
 
 from conftest import DEVICES
-from tf_agn import devices
+from tf_agn.utils import devices
 
 
 @pytest.mark.parametrize(

@@ -26,17 +26,17 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
-from tf_agn import packing
+from tf_agn.collectives import packing
 from tf_agn.transports import local
 
 # Issue 39 asks 6. Today's widest roads cross 7: a cast (aggregating, step,
-# replica_aggregation, combining, compression.cast, packing, the transport)
-# and DistributedOptimizer (distributed_optimizer, aggregating, step,
-# replica_aggregation, combining, compression.int8, the transport). What
-# remains for 6: a Cast that plans its packs and calls the transport itself
-# (packing off the road), the entry and the routing
-# (replica_aggregation, combining) in one module, and DistributedOptimizer's
-# `apply`, which forwards to its inner optimizer's.
+# replica_context, routing, compression.cast, packing, the transport) and
+# DistributedOptimizer (distributed_optimizer, aggregating, step,
+# replica_context, routing, compression.int8, the transport). What remains
+# for 6: a Cast that plans its packs and calls the transport itself
+# (packing off the road), the entry and the routing (replica_context,
+# routing) in one module, and DistributedOptimizer's `apply`, which
+# forwards to its inner optimizer's.
 MAX_MODULES = 7
 # (configuration, transport, module) for each module a road enters twice
 # today; issue 39 asks for none. A new re-entry fails, and so does one fixed

@@ -34,9 +34,9 @@ from test_error_feedback import values_and_states
 from test_streaming_diloco import fit_recording
 from test_streaming_diloco import initial_weights
 from tf_agn import compression
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.combining import combine_replicas
-from tf_agn.communication import payload_bytes
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.routing import combine_replicas
+from tf_agn.collectives.communication import payload_bytes
 from tf_agn.compression import int8
 from tf_agn.optimizers import StreamingDiLoCo
 

@@ -30,7 +30,7 @@ from overflow import mixed_float16
 from overflow import reference_loss_scale
 from overflow import reference_weights
 from overflow import tf_agn_optimizer
-from tf_agn.finite import all_finite
+from tf_agn.collectives.finite import all_finite
 
 # float16 activations, and 2 shards rather than one batch: within ~1e-4 of
 # the reference, while one step moves these weights by ~1e-2.

@@ -14,7 +14,7 @@ of these has the rest:
 - an importable top-level module (`tf_agn`, `keras`, `absl`, ...), or
   `tf` and `np` as imported by convention;
 - a module or package of tf_agn or strategies, by its own name
-  (`combining`), or a class defined in one, by its name (`Aggregating`);
+  (`routing`), or a class defined in one, by its name (`Aggregating`);
 - a name from outside tf_agn that the prose cites short, in `SHORT_NAMES`
   (`BaseOptimizer`, TF's `distribute_utils`);
 - a value of a type in `INSTANCES` (`model`, `optimizer`, `strategy`).

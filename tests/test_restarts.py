@@ -27,8 +27,8 @@ import restart_model
 import tf_agn
 from conftest import DEVICES
 from scripts import checkout_env
-from tf_agn import resizing
-from tf_agn.backup_and_restore import POINTER
+from tf_agn.resuming import resizing
+from tf_agn.resuming.backup_and_restore import POINTER
 from tf_agn.optimizers import saving
 from tf_agn.strategies import launch
 

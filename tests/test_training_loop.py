@@ -2,7 +2,7 @@
 
 import keras
 
-from tf_agn.training_loop import run_epochs
+from tf_agn.utils.training_loop import run_epochs
 
 
 class Recorder(keras.callbacks.Callback):

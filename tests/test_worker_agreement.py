@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import tf_agn
 from cluster_checks import default_sigint
-from tf_agn import agreement
+from tf_agn.collectives import agreement
 from tf_agn.strategies import rendezvous
 from tf_agn.strategies.ports import free_ports
 from worker_cluster import worker_env

@@ -1,22 +1,38 @@
 """tf_agn: control how gradients from many replicas are combined.
 
-A gradient's road: a tf_agn optimizer's step (`tf_agn.optimizers.step`,
-chosen when the optimizer is built) calls `tf_agn.aggregate`
-(replica_aggregation.py) in replica context, or
-`reduce_scatter`/`all_gather`/`all_to_all` there for sharded state; all of
-them meet the local replicas in one `merge_call`, where
-`combining.combine_replicas` routes the values to a transport's collective
-patterns (`tf_agn/transports/`), through a compressor where one acts
-(`tf_agn/compression/`), each replica weighted as its aggregation method
-says (aggregation.py). `AggregatingAllReduce` (cross_device_ops.py) takes
-TensorFlow's own callers down the same road.
+The packages, by layer:
+
+- `tf_agn.optimizers`: Keras optimizers that combine gradients (each with
+  one step object, `tf_agn.optimizers.step`, chosen when it is built),
+  windowed optimizers (AGN, DiLoCo), sharded state; `tf_agn.decoupled`:
+  ADL.
+- `tf_agn.collectives`: how values travel between replicas.
+  `replica_context.py` holds what optimizers call in replica context
+  (`tf_agn.aggregate`, `reduce_scatter`, `all_gather`, `all_to_all`);
+  `aggregation_method.py` the `AggregationMethod`s and their replicas'
+  weights; `routing.py` the routing of every local replica's values to a
+  transport's patterns; `cross_device_ops.py` the `AggregatingAllReduce`
+  that takes TensorFlow's own callers down the same road.
+- `tf_agn.transports`: the collective patterns on each transport;
+  `tf_agn.compression`: the compressors.
+- `tf_agn.resuming`: backups, and resuming on another replica count.
+- `tf_agn.utils`, `tf_agn.callbacks`, `tf_agn.datasets`, `tf_agn.metrics`,
+  `tf_agn.models`: helpers, callbacks and the examples' data and models.
+
+A gradient's road: a tf_agn optimizer's step calls `tf_agn.aggregate` in
+replica context, or `reduce_scatter`/`all_gather`/`all_to_all` there for
+sharded state; all of them meet the local replicas in one `merge_call`,
+where `routing.combine_replicas` routes the values to a transport's
+collective patterns, through a compressor where one acts, each replica
+weighted as its aggregation method says.
 
 A new collective pattern is a method of each transport in
-`tf_agn/transports/`, routed in `combining.combine_replicas`; a new
+`tf_agn/transports/`, routed in `routing.combine_replicas`; a new
 compressor is a subclass of `tf_agn.compression.Compressor` (`Cast` for
 one that acts element by element), which callers only ask; a new
 aggregation method is a member of `AggregationMethod`, with its replicas'
-weights (`aggregation.sum_weights`), in `tf_agn/aggregation.py`.
+weights (`aggregation_method.sum_weights`), in
+`tf_agn/collectives/aggregation_method.py`.
 """
 
 import os as _os
@@ -35,11 +51,11 @@ except ModuleNotFoundError as _error:
 
 from tf_agn import _compat
 from tf_agn import _source_layout
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.communication import CommunicationCounter
-from tf_agn.cross_device_ops import AggregatingAllReduce
-from tf_agn.replica_aggregation import aggregate
-from tf_agn.replicas import replica_weights
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.communication import CommunicationCounter
+from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
+from tf_agn.collectives.replica_context import aggregate
+from tf_agn.utils.replicas import replica_weights
 
 _compat.check_versions()
 _source_layout.attach_strategies(_os.path.dirname(__file__))

@@ -2,7 +2,7 @@
 
 import keras
 
-from tf_agn.backup_and_restore import BackupAndRestore  # noqa: F401
+from tf_agn.resuming.backup_and_restore import BackupAndRestore  # noqa: F401
 from tf_agn.optimizers.windowed import WindowedOptimizer
 
 

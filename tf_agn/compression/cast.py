@@ -22,7 +22,7 @@ Compiled functions trace once per compressor object: keep the default
 
 import tensorflow as tf
 
-from tf_agn import packing
+from tf_agn.collectives import packing
 from tf_agn.compression.compressor import Compressor
 from tf_agn.compression.compressor import each_finite
 from tf_agn.compression.compressor import num_elements

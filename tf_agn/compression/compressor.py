@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tf_agn.finite import all_finite
+from tf_agn.collectives.finite import all_finite
 
 class StateSpec:
     """One piece of a compressor's per-replica state (`state_spec`).

@@ -13,7 +13,7 @@ import functools
 
 import tensorflow as tf
 
-from tf_agn import packing
+from tf_agn.collectives import packing
 from tf_agn.compression.compressor import Compressor
 
 class ErrorFeedbackCompressor(Compressor):
@@ -58,7 +58,7 @@ class ErrorFeedbackCompressor(Compressor):
 
     def state_owing(self, state, residual):
         """`state` with `residual` (an array) as what the replica owes, for a
-        resumed run on another replica count (`tf_agn.resizing`)."""
+        resumed run on another replica count (`tf_agn.resuming.resizing`)."""
         return dict(state, residual=residual)
 
     def get_config(self):

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_agn import packing
+from tf_agn.collectives import packing
 from tf_agn.compression.compressor import StateSpec
 from tf_agn.compression.compressor import each_finite
 from tf_agn.compression.compressor import num_elements
@@ -115,7 +115,7 @@ class Int8(ErrorFeedbackCompressor):
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
         sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
-        # Backward order, as `tf_agn.packing.all_reduce_packs` launches packs.
+        # Backward order, as `tf_agn.collectives.packing.all_reduce_packs` launches packs.
         for pack, layout in reversed(_plan(
             sizes, transport.size, self.chunk_size, self.bits, transport.bytes_per_pack
         )):

@@ -4,7 +4,7 @@ stages as Keras models, the devices as full logical device names."""
 import keras
 import tensorflow as tf
 
-from tf_agn import devices as devices_lib
+from tf_agn.utils import devices as devices_lib
 
 REDUCTIONS = ("mean", "sum")
 

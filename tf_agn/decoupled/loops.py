@@ -2,7 +2,7 @@
 
 `fit` feeds a `Pipeline` one batch per tick and drains it at every epoch's
 end, inside the callback, progress-bar and `History` skeleton it shares with
-parameter-server training (`tf_agn.training_loop.run_epochs`); `evaluate`
+parameter-server training (`tf_agn.utils.training_loop.run_epochs`); `evaluate`
 scores the model's predictions batch by batch. Both report a
 `tf_agn.decoupled.metrics.Metrics`.
 """
@@ -10,7 +10,7 @@ scores the model's predictions batch by batch. Both report a
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.training_loop import run_epochs
+from tf_agn.utils.training_loop import run_epochs
 
 
 def fit(

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.collectives.aggregation_method import AggregationMethod
 
 ACCUMULATION_REDUCTIONS = ("mean", "sum")
 

@@ -6,11 +6,11 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import agreement
+from tf_agn.collectives import agreement
 from tf_agn import compression as compression_lib
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.communication import CommunicationCounter
-from tf_agn.memory import memory_stats
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.communication import CommunicationCounter
+from tf_agn.utils.memory import memory_stats
 from tf_agn.optimizers.accumulation import Accumulation
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
@@ -23,7 +23,7 @@ from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharded_step import ShardedStep
 from tf_agn.optimizers.sharding import Shards
 from tf_agn.optimizers.step import Step
-from tf_agn.replica_aggregation import default_aggregation
+from tf_agn.collectives.replica_context import default_aggregation
 
 
 class Aggregating(Communicating):
@@ -143,7 +143,7 @@ class Aggregating(Communicating):
 
     def memory_stats(self):
         """The bytes one replica holds for this optimizer and its weights, as
-        `tf_agn.memory.memory_stats` counts them."""
+        `tf_agn.utils.memory.memory_stats` counts them."""
         accumulators = _compat.accumulators(self) if self.gradient_accumulation_steps else []
         return memory_stats(
             _compat.built_variables(self),

@@ -1,9 +1,9 @@
 """The `Communicating` mixin: what an optimizer sends between replicas."""
 
 from tf_agn import _compat
-from tf_agn.communication import communication_stats
+from tf_agn.collectives.communication import communication_stats
 from tf_agn.optimizers.loss_scaling import all_replicas_finite
-from tf_agn.replica_aggregation import default_compression
+from tf_agn.collectives.replica_context import default_compression
 
 
 class Communicating:

@@ -4,7 +4,7 @@ gradients are combined."""
 import keras
 
 from tf_agn import compression as compression_lib
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.compressor_state import check_sparse_gradients

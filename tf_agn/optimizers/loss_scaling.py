@@ -10,9 +10,9 @@ halves the loss scale.
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.finite import all_finite
-from tf_agn.replica_aggregation import aggregate
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.finite import all_finite
+from tf_agn.collectives.replica_context import aggregate
 
 
 def all_replicas_finite(grads, counter=None):

@@ -4,20 +4,20 @@
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import packing
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.aggregation import contributor_weight
+from tf_agn.collectives import packing
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.aggregation_method import contributor_weight
 from tf_agn.compression import compresses
-from tf_agn.finite import all_finite
+from tf_agn.collectives.finite import all_finite
 from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers.step import Step
-from tf_agn.replica_aggregation import aggregate
-from tf_agn.replica_aggregation import all_gather
-from tf_agn.replica_aggregation import all_to_all
-from tf_agn.replica_aggregation import keras_loss_divisor
-from tf_agn.replica_aggregation import reduce_scatter
+from tf_agn.collectives.replica_context import aggregate
+from tf_agn.collectives.replica_context import all_gather
+from tf_agn.collectives.replica_context import all_to_all
+from tf_agn.collectives.replica_context import keras_loss_divisor
+from tf_agn.collectives.replica_context import reduce_scatter
 
 
 class ShardedStep(Step):

@@ -21,10 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import packing
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.replica_aggregation import all_gather
-from tf_agn.replica_aggregation import tf_agn_ops
+from tf_agn.collectives import packing
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.replica_context import all_gather
+from tf_agn.collectives.replica_context import tf_agn_ops
 
 # Keras's optimizers whose update is element by element.
 ELEMENTWISE = (
@@ -130,7 +130,7 @@ class Shards:
         return [self.parts[i] for i in indices]
 
     def packs(self, indices):
-        """`tf_agn.packing.plan_packs` of the variables at `indices`."""
+        """`tf_agn.collectives.packing.plan_packs` of the variables at `indices`."""
         sizes = [(self._dtypes[i], self.part_sizes[i] * self.num_replicas) for i in indices]
         return packing.plan_packs(sizes, self._bytes_per_pack)
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.optimizers.windowed import in_cross_replica_context
-from tf_agn.replica_aggregation import aggregate
+from tf_agn.collectives.replica_context import aggregate
 
 
 # How layers are split into fragments (`fragments_by_layer`).
@@ -45,7 +45,7 @@ class StreamingDiLoCo(WindowedOptimizer):
     outer_optimizer=..., normalize=False)`. The combined Δ in flight are
     optimizer variables: saving and `tf_agn.callbacks.BackupAndRestore`
     keep them; on another number of replicas a backup resumes at its step
-    from the centers (`tf_agn.resizing`). Unlike AGN, `fit` commits nothing
+    from the centers (`tf_agn.resuming.resizing`). Unlike AGN, `fit` commits nothing
     at its end: the replicas keep their weights and the next `fit`
     continues the schedule (`tf_agn.callbacks.EvaluateAtCenter` evaluates
     the centers).

@@ -25,7 +25,7 @@ replica of every worker), `rank(r)`, `bytes_per_pack` and `jit_compile`:
 
 import tensorflow as tf
 
-from tf_agn import devices as devices_lib
+from tf_agn.utils import devices as devices_lib
 from tf_agn.transports.collective import CollectiveTransport
 from tf_agn.transports.groups import DEFAULT_TIMEOUT_SECONDS
 from tf_agn.transports.groups import CollectiveGroup

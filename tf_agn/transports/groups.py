@@ -6,7 +6,7 @@ import threading
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import devices as devices_lib
+from tf_agn.utils import devices as devices_lib
 
 # No timeout by default: TensorFlow keeps a sleeping thread per collective
 # call for the whole timeout (50 calls/s under 600 s: 30,000 threads), and

@@ -2,8 +2,8 @@
 
 import tensorflow as tf
 
-from tf_agn.aggregation import scale_value
-from tf_agn.aggregation import weighted
+from tf_agn.collectives.aggregation_method import scale_value
+from tf_agn.collectives.aggregation_method import weighted
 
 # The strategy's own cross-device ops pack what they reduce.
 _ONE_PACK_PER_DTYPE = 2**62

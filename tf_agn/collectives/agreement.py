@@ -14,8 +14,8 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn import transports
 from tf_agn import compression
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.replica_aggregation import tf_agn_ops
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.replica_context import tf_agn_ops
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 

@@ -8,13 +8,13 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import resizing
-from tf_agn.backup_files import POINTER  # noqa: F401  (part of this module's interface)
-from tf_agn.backup_files import BackupFiles
-from tf_agn.backup_files import Task
-from tf_agn.replica_state import assign_every_copy
-from tf_agn.replica_state import assign_local_copies
-from tf_agn.replica_state import local_copies
+from tf_agn.resuming import resizing
+from tf_agn.resuming.backup_files import POINTER  # noqa: F401  (part of this module's interface)
+from tf_agn.resuming.backup_files import BackupFiles
+from tf_agn.resuming.backup_files import Task
+from tf_agn.resuming.replica_state import assign_every_copy
+from tf_agn.resuming.replica_state import assign_local_copies
+from tf_agn.resuming.replica_state import local_copies
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -31,7 +31,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     the same order; `communication_stats` restart from zero. Restarting is
     a supervisor's job (`python -m tf_agn.strategies.launch --max_restarts
     K`, systemd, Kubernetes). A backup also resumes on another number of
-    workers or replicas (`tf_agn.resizing`).
+    workers or replicas (`tf_agn.resuming.resizing`).
 
     Example:
 

@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from tf_agn import devices as devices_lib
+from tf_agn.utils import devices as devices_lib
 
 XLA_DEVICE_TYPES = ("CPU", "GPU", "TPU")
 

@@ -1,4 +1,5 @@
-"""`aggregate`: combining values across replicas from replica context."""
+"""What optimizers call in replica context: `aggregate`, `reduce_scatter`,
+`all_gather` and `all_to_all` across every replica."""
 
 import functools
 import warnings
@@ -6,12 +7,12 @@ import warnings
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.aggregation import scale_value
-from tf_agn.combining import combine_replicas
-from tf_agn.communication import gathers
-from tf_agn.communication import payload_bytes
-from tf_agn.cross_device_ops import AggregatingAllReduce
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.aggregation_method import scale_value
+from tf_agn.collectives.routing import combine_replicas
+from tf_agn.collectives.communication import gathers
+from tf_agn.collectives.communication import payload_bytes
+from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
 from tf_agn.transports import ReplicaTransport
 
 

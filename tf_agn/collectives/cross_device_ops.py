@@ -6,11 +6,11 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import compression as compression_lib
-from tf_agn import packing
-from tf_agn import placement
+from tf_agn.collectives import packing
+from tf_agn.collectives import placement
 from tf_agn import transports
-from tf_agn.aggregation import AggregationMethod
-from tf_agn.combining import combine_replicas
+from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.routing import combine_replicas
 
 CommunicationOptions = tf.distribute.experimental.CommunicationOptions
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation

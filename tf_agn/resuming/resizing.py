@@ -26,11 +26,11 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.aggregation import AggregationMethod
+from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.streaming_diloco import StreamingDiLoCo
 from tf_agn.optimizers.windowed import WindowedOptimizer
-from tf_agn.replica_state import assign_every_copy
+from tf_agn.resuming.replica_state import assign_every_copy
 
 
 def replicas_copies(task_arrays, num_replicas, prefix, index):

@@ -6,8 +6,8 @@ import functools
 import tensorflow as tf
 
 from tf_agn import compression
-from tf_agn import packing
-from tf_agn.aggregation import sum_weights
+from tf_agn.collectives import packing
+from tf_agn.collectives.aggregation_method import sum_weights
 
 
 def combine_replicas(

@@ -1,0 +1,1 @@
+"""How values travel between replicas: what optimizers call in replica context, the aggregation methods, the routing to transports' patterns, packing, placement, agreement checks and traffic counts."""

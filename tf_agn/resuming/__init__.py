@@ -1,0 +1,1 @@
+"""How training is backed up and resumed, on the same or another replica count."""

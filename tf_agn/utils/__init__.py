@@ -1,0 +1,1 @@
+"""Small helpers: devices, memory counts, per-replica weights, an epoch loop."""
