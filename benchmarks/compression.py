@@ -764,10 +764,7 @@ def worker_main():
     if FLAGS.link_mbit:
         # Before the strategy starts this worker's server, so that all it
         # sends goes through its link.
-        tf_config = json.loads(os.environ["TF_CONFIG"])
-        index = tf_config["task"]["index"]
-        port = int(tf_config["cluster"]["worker"][index].rpartition(":")[2])
-        shaped_link.limit_port(index, port, FLAGS.link_mbit)
+        shaped_link.limit_this_worker(FLAGS.link_mbit)
     strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy()
     is_chief = int(strategy.cluster_resolver.task_id) == 0
     say = print if is_chief else (lambda *args, **kwargs: None)

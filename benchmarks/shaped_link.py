@@ -24,6 +24,8 @@ Needs root (CAP_NET_ADMIN) and `tc`; the root qdisc is ours alone (handle
 """
 
 import contextlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -89,6 +91,13 @@ def install():
         "default", "1", "r2q", "1000")
     _tc("class", "add", "dev", DEVICE, "parent", f"{HANDLE}:", "classid",
         f"{HANDLE}:1", "htb", "rate", "100gbit")
+
+
+def limit_this_worker(mbit):
+    """`limit_port` for this process's server, as its `TF_CONFIG` gives it."""
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    index = tf_config["task"]["index"]
+    limit_port(index, int(tf_config["cluster"]["worker"][index].rpartition(":")[2]), mbit)
 
 
 def limit_port(index, port, mbit):

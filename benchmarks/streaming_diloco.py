@@ -579,10 +579,7 @@ def worker_main():
     if FLAGS.link_mbit:
         # Before the strategy starts this worker's server, so that all it
         # sends goes through its link.
-        tf_config = json.loads(os.environ["TF_CONFIG"])
-        index = tf_config["task"]["index"]
-        port = int(tf_config["cluster"]["worker"][index].rpartition(":")[2])
-        shaped_link.limit_port(index, port, FLAGS.link_mbit)
+        shaped_link.limit_this_worker(FLAGS.link_mbit)
     strategy = tf_agn.strategies.multi_worker_mirrored()
     task = int(strategy.cluster_resolver.task_id)
     is_chief = task == 0

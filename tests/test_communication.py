@@ -214,6 +214,12 @@ BYTES_PER_PACK = 1200
             [(300,), (7, 11), (5,)],
             (512 + 8 * 4) + (256 + 4 * 4),
         ),
+        # int4: two codes a byte.
+        (
+            compression.Int4(chunk_size=64, start_step=1),
+            [(300,), (7, 11), (5,)],
+            (512 // 2 + 8 * 4) + (256 // 2 + 4 * 4),
+        ),
         # Rank 2: P (64 x 2) and Q (2 x 32) for the 64x32 matrix; the
         # vector and the 8x4 matrix (32 < 2 * 12 * 2) whole.
         (
@@ -222,7 +228,7 @@ BYTES_PER_PACK = 1200
             4 * (64 * 2 + 2 * 32 + 32 + 8 * 4),
         ),
     ],
-    ids=["int8", "powersgd"],
+    ids=["int8", "int4", "powersgd"],
 )
 @pytest.mark.parametrize("step", [0, 1], ids=["before_start_step", "from_start_step"])
 def test_the_count_is_the_bytes_of_the_buffers_sent(compressor, shapes, compressed_bytes, step):

@@ -23,9 +23,6 @@ from test_any_strategy import SimulatedReplicas
 from test_any_strategy import local_transport_change
 from test_any_strategy import reduction_to_one_device
 from test_any_strategy import weight_change
-from test_communication import BYTES_PER_PACK
-from test_communication import RecordingTransport
-from test_communication import initial_states
 from test_error_feedback import SHAPES
 from test_error_feedback import TRANSPORTS
 from test_error_feedback import run
@@ -36,7 +33,6 @@ from test_streaming_diloco import initial_weights
 from tf_agn import compression
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.routing import combine_replicas
-from tf_agn.collectives.communication import payload_bytes
 from tf_agn.compression import int8
 from tf_agn.optimizers import StreamingDiLoCo
 
@@ -120,32 +116,6 @@ def test_wire_bytes_are_half_a_byte_per_element_and_a_scale_per_chunk():
         decoded = int4.decode(payload, tf.TensorShape(shape), tf.float32).numpy()
         np.testing.assert_allclose(decoded + state["residual"].numpy(), tensor.numpy(), atol=1e-6)
         assert np.abs(decoded - tensor.numpy()).max() <= np.abs(tensor.numpy()).max() / 14 * (1 + 1e-6)
-
-
-@pytest.mark.parametrize("step", [0, 1], ids=["before_start_step", "from_start_step"])
-def test_the_buffers_sent_are_the_wire_bytes(step):
-    # Chunks of 64 among 4 replicas, packs of at most 1200 bytes: 300
-    # values padded to 512 (8 chunks), 7 * 11 + 5 = 82 to 256 (4 chunks).
-    shapes = [(300,), (7, 11), (5,)]
-    compressor = compression.Int4(chunk_size=64, start_step=1)
-    compressed_bytes = (512 // 2 + 8 * 4) + (256 // 2 + 4 * 4)
-    rng = np.random.default_rng(0)
-    values = []
-    for device in DEVICES:
-        with tf.device(device):
-            values.append([tf.constant(rng.normal(size=s), tf.float32) for s in shapes])
-    transport = RecordingTransport(DEVICES)
-    combine_replicas(
-        transport, AggregationMethod.SUM, values, compressor=compressor,
-        states=initial_states(compressor, shapes), step=tf.constant(step, tf.int64),
-    )
-    want = 4 * (300 + 77 + 5) if step < 1 else compressed_bytes
-    assert transport.sent["all_reduce"] + transport.sent["reduce_scatter"] == want
-    counted = payload_bytes(values[0], compressor, tf.constant(step, tf.int64), NUM_REPLICAS, BYTES_PER_PACK)
-    assert int(counted) == want
-    assert compressor.wire_bytes(
-        [tf.TensorSpec(s, tf.float32) for s in shapes], NUM_REPLICAS, BYTES_PER_PACK
-    ) == compressed_bytes
 
 
 def test_fit_counts_float32_before_start_step_then_int4():

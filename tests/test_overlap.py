@@ -8,12 +8,12 @@ for none of the first layer's. Read from the graph of Keras's train step.
 import re
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from test_streaming_diloco import ancestors
 
 
 def _train_step_graph(transport, optimizer, bytes_per_pack):
@@ -34,18 +34,6 @@ def _train_step_graph(transport, optimizer, bytes_per_pack):
 
     spec = (tf.TensorSpec([8, 32]), tf.TensorSpec([8, 4]))
     return step.get_concrete_function(*spec).graph
-
-
-def _closure(op):
-    """Every op `op` waits for: its inputs' and control inputs', transitively."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
 
 
 def _first_layer_gradient(op):
@@ -74,6 +62,6 @@ def test_the_first_exchange_does_not_wait_for_the_first_layers_gradient(transpor
     )
     exchanges = [op for op in graph.get_operations() if _carries_a_pack(op, transport)]
     assert exchanges
-    assert not any(_first_layer_gradient(op) for op in _closure(exchanges[0]))
+    assert not any(_first_layer_gradient(op) for op in ancestors(exchanges[0]))
     # The control: the step's last exchange carries the first layer's.
-    assert any(_first_layer_gradient(op) for op in _closure(exchanges[-1]))
+    assert any(_first_layer_gradient(op) for op in ancestors(exchanges[-1]))
