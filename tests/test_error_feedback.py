@@ -165,15 +165,16 @@ def test_int8_codes_stay_within_127_and_one_step_of_tiny_and_extreme_values(trac
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("method", ["sum", "mean"])
-def test_int8_one_step_matches_the_reference(transport, traced, method):
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+def test_int8_one_step_matches_the_reference(transport, traced, method, bits):
     strategy, ops = strategy_for(transport)
-    compressor = compression.Int8(chunk_size=16)
+    compressor = {8: compression.Int8, 4: compression.Int4}[bits](chunk_size=16)
     arrays, state_arrays, values, states = values_and_states(strategy, compressor)
     combined, new_states = run(strategy, ops, method, values, states, compressor, traced, value_scale=2.0)
     scale = 2.0 / NUM_REPLICAS if method == "mean" else 2.0
     flat = [np.concatenate([a.reshape(-1) for a in replica]) * np.float32(scale) for replica in arrays]
     residuals = [np.concatenate([s[i]["residual"].reshape(-1) for i in range(len(SHAPES))]) for s in state_arrays]
-    want, want_residuals = int8_reference(flat, residuals, 16)
+    want, want_residuals = int8_reference(flat, residuals, 16, bits=bits)
     sizes = np.cumsum([0] + [int(np.prod(s)) for s in SHAPES])
     for r in range(NUM_REPLICAS):
         got = np.concatenate([combined[i][r].reshape(-1) for i in range(len(SHAPES))])
@@ -182,8 +183,9 @@ def test_int8_one_step_matches_the_reference(transport, traced, method):
         # which can move a rounding by one step in rare elements.
         close = np.isclose(got, want, atol=1e-5)
         assert close.mean() > 0.99, close.mean()
-        step = np.abs(want).max() / 127
+        step = np.abs(want).max() / (2 ** (bits - 1) - 1)
         np.testing.assert_allclose(got, want, atol=step * 1.01)
+        np.testing.assert_allclose(got_residual[close], want_residuals[r][close], atol=1e-5)
         np.testing.assert_allclose(got + got_residual, want + want_residuals[r], atol=1e-5)
         np.testing.assert_array_equal(got, np.concatenate([combined[i][0].reshape(-1) for i in range(len(SHAPES))]))
     assert sizes[-1] == flat[0].size
