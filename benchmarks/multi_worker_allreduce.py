@@ -19,7 +19,7 @@ Each timed call is `allreduce.py`'s `keras_path` mode: inside
 `strategy.run`, every replica computes its tensors on its device and
 all-reduces them with `replica_context.all_reduce(SUM, ...)`, as Keras's
 optimizer does; `ours_fp16` sums them as tf_agn's optimizers do
-(`tf_agn.collectives.replica_context.aggregate`), the only path compression
+(`tf_agn.collectives.routing.aggregate`), the only path compression
 applies to. Every candidate's outputs are first checked against numpy
 on every local replica (fp16 within its precision). Candidates run in
 interleaved rounds whose order rotates every round, the same order on
@@ -64,7 +64,8 @@ import tensorflow as tf  # noqa: E402
 import allreduce  # noqa: E402  (benchmarks/allreduce.py: sets and timing)
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
-from tf_agn.collectives import replica_context  # noqa: E402
+from tf_agn.collectives import cross_device_ops  # noqa: E402
+from tf_agn.collectives import routing  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
 
 # Targets.
@@ -115,8 +116,8 @@ def optimizer_sum(tensors):
     compression of the strategy's ops, as an optimizer without its own
     takes it."""
     strategy = tf.distribute.get_strategy()
-    return replica_context.aggregate(
-        tensors, "sum", compressor=replica_context.default_compression(strategy)
+    return routing.aggregate(
+        tensors, "sum", compressor=cross_device_ops.default_compression(strategy)
     )
 
 

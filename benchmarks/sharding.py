@@ -352,7 +352,7 @@ def communication_only(devices):
     import tensorflow as tf
 
     import tf_agn
-    from tf_agn.collectives import replica_context
+    from tf_agn.collectives import routing
 
     n = len(devices)
     widths = [784, *(int(u) for u in FLAGS.hidden_units), 10]
@@ -370,8 +370,8 @@ def communication_only(devices):
     @tf.function
     def scatter_and_gather():
         def step():
-            (mine,) = replica_context.reduce_scatter([buffer * 1.0], "sum")
-            (whole,) = replica_context.all_gather([mine])
+            (mine,) = routing.reduce_scatter([buffer * 1.0], "sum")
+            (whole,) = routing.all_gather([mine])
             return tf.reduce_sum(whole)
 
         return strategy.run(step)

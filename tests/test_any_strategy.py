@@ -180,16 +180,16 @@ class _Context:
 
 @pytest.mark.parametrize("size, warns", [(7, False), (8, True)])
 def test_a_gathered_int8_payload_past_a_float32_rings_warns(size, warns):
-    from tf_agn.collectives import replica_context
+    from tf_agn.collectives import routing
 
     context = _Context(size)
     values = [tf.zeros([1024, 64])]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        replica_context._warn_if_gathering_costs_more(
+        routing._warn_if_gathering_costs_more(
             context, compression.Int8(), values, ReplicaTransport(context)
         )
-        replica_context._warn_if_gathering_costs_more(
+        routing._warn_if_gathering_costs_more(
             context, compression.PowerSGD(rank=4), values, ReplicaTransport(context)
         )
     messages = [str(w.message) for w in caught]

@@ -154,7 +154,7 @@ def test_strategy_from_flags(flag_values, devices):
     assert strategy.num_replicas_in_sync == 2
     workers = strategy.extended.worker_devices  # Full names: /job:...
     assert all(w.endswith(d) for w, d in zip(workers, devices))
-    aggregation = tf_agn.collectives.replica_context.default_aggregation(strategy)
+    aggregation = tf_agn.collectives.cross_device_ops.default_aggregation(strategy)
     assert aggregation is tf_agn.AggregationMethod.SUM
 
 

@@ -7,12 +7,13 @@ The packages, by layer:
   windowed optimizers (AGN, DiLoCo), sharded state; `tf_agn.decoupled`:
   ADL.
 - `tf_agn.collectives`: how values travel between replicas.
-  `replica_context.py` holds what optimizers call in replica context
-  (`tf_agn.aggregate`, `reduce_scatter`, `all_gather`, `all_to_all`);
-  `aggregation_method.py` the `AggregationMethod`s and their replicas'
-  weights; `routing.py` the routing of every local replica's values to a
-  transport's patterns; `cross_device_ops.py` the `AggregatingAllReduce`
-  that takes TensorFlow's own callers down the same road.
+  `routing.py` holds what optimizers call in replica context
+  (`tf_agn.aggregate`, `reduce_scatter`, `all_gather`, `all_to_all`) and
+  `combine_replicas`, which routes every local replica's values to a
+  transport's patterns; `aggregation_method.py` the `AggregationMethod`s
+  and their replicas' weights; `cross_device_ops.py` the
+  `AggregatingAllReduce` that takes TensorFlow's own callers down the same
+  road.
 - `tf_agn.transports`: the collective patterns on each transport;
   `tf_agn.compression`: the compressors.
 - `tf_agn.resuming`: backups, and resuming on another replica count.
@@ -54,7 +55,7 @@ from tf_agn import _source_layout
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.communication import CommunicationCounter
 from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
-from tf_agn.collectives.replica_context import aggregate
+from tf_agn.collectives.routing import aggregate
 from tf_agn.utils.replicas import replica_weights
 
 _compat.check_versions()

@@ -15,7 +15,7 @@ from tf_agn import _compat
 from tf_agn import transports
 from tf_agn import compression
 from tf_agn.collectives.aggregation_method import AggregationMethod
-from tf_agn.collectives.replica_context import tf_agn_ops
+from tf_agn.collectives.cross_device_ops import tf_agn_ops
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 

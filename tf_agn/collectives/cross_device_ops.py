@@ -8,9 +8,10 @@ from tf_agn import _compat
 from tf_agn import compression as compression_lib
 from tf_agn.collectives import packing
 from tf_agn.collectives import placement
+# routing imports this module too: both import the other by module.
+from tf_agn.collectives import routing
 from tf_agn import transports
 from tf_agn.collectives.aggregation_method import AggregationMethod
-from tf_agn.collectives.routing import combine_replicas
 
 CommunicationOptions = tf.distribute.experimental.CommunicationOptions
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
@@ -134,7 +135,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         transport = transports.CollectiveTransport(
             self._group(devices), options, self.jit_compile, replicas=(replica_id,)
         )
-        (reduced,), _ = combine_replicas(transport, AggregationMethod.parse(reduce_op), [flat])
+        (reduced,), _ = routing.combine_replicas(transport, AggregationMethod.parse(reduce_op), [flat])
         return tf.nest.pack_sequence_as(value, reduced)
 
     def transport_for(self, value, destinations=None, options=None):
@@ -152,7 +153,7 @@ class AggregatingAllReduce(tf.distribute.CrossDeviceOps):
         """`combine_replicas` on `transport` as a function of
         `(values, states=None, step=None)`, runnable eagerly."""
         combine = functools.partial(
-            combine_replicas, transport, method, value_scale=value_scale, compressor=compressor,
+            routing.combine_replicas, transport, method, value_scale=value_scale, compressor=compressor,
             pattern=pattern,
         )
         return transport.eager((pattern, method, value_scale, compressor), combine)
@@ -259,3 +260,21 @@ def _parse_implementation(implementation):
         f"Unknown implementation {implementation!r}. Allowed: auto, ring, nccl, "
         "or a tf.distribute.experimental.CommunicationImplementation."
     )
+
+
+def tf_agn_ops(strategy):
+    """`strategy`'s `AggregatingAllReduce`, or None."""
+    ops = _compat.cross_device_ops(strategy.extended, required=False)
+    return ops if isinstance(ops, AggregatingAllReduce) else None
+
+
+def default_aggregation(strategy):
+    """The `AggregatingAllReduce`'s `aggregation`, or MEAN as stock Keras."""
+    ops = tf_agn_ops(strategy)
+    return ops.default_aggregation if ops is not None else AggregationMethod.MEAN
+
+
+def default_compression(strategy):
+    """The `AggregatingAllReduce`'s compressor, or None."""
+    ops = tf_agn_ops(strategy)
+    return None if ops is None else ops.default_compressor

@@ -23,7 +23,7 @@ from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharded_step import ShardedStep
 from tf_agn.optimizers.sharding import Shards
 from tf_agn.optimizers.step import Step
-from tf_agn.collectives.replica_context import default_aggregation
+from tf_agn.collectives.cross_device_ops import default_aggregation
 
 
 class Aggregating(Communicating):

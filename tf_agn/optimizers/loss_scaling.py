@@ -12,7 +12,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.finite import all_finite
-from tf_agn.collectives.replica_context import aggregate
+from tf_agn.collectives.routing import aggregate
 
 
 def all_replicas_finite(grads, counter=None):

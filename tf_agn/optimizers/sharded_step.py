@@ -13,11 +13,11 @@ from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers.step import Step
-from tf_agn.collectives.replica_context import aggregate
-from tf_agn.collectives.replica_context import all_gather
-from tf_agn.collectives.replica_context import all_to_all
-from tf_agn.collectives.replica_context import keras_loss_divisor
-from tf_agn.collectives.replica_context import reduce_scatter
+from tf_agn.collectives.routing import aggregate
+from tf_agn.collectives.routing import all_gather
+from tf_agn.collectives.routing import all_to_all
+from tf_agn.collectives.routing import keras_loss_divisor
+from tf_agn.collectives.routing import reduce_scatter
 
 
 class ShardedStep(Step):

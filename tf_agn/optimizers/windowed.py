@@ -18,8 +18,8 @@ from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compressor_state import add_compressor_state
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 from tf_agn.optimizers.wrapping import check_wrappable
-from tf_agn.collectives.replica_context import aggregate
-from tf_agn.collectives.replica_context import default_aggregation
+from tf_agn.collectives.routing import aggregate
+from tf_agn.collectives.cross_device_ops import default_aggregation
 
 # Settings older configs wrote with these meaningless values.
 _FORMER_CONFIG_ENTRIES = {"accumulation_reduction": "mean", "sparse_gradients": None}
