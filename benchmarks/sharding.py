@@ -370,7 +370,7 @@ def communication_only(devices):
     @tf.function
     def scatter_and_gather():
         def step():
-            (mine,) = routing.reduce_scatter([buffer * 1.0], "sum")
+            (mine,), _ = routing.reduce_scatter([buffer * 1.0], "sum")
             (whole,) = routing.all_gather([mine])
             return tf.reduce_sum(whole)
 

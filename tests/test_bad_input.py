@@ -10,6 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tf_agn
+from test_any_strategy import SimulatedReplicas
+from tf_agn.collectives.routing import combine_replicas
 from tf_agn.decoupled import DecoupledModel
 from tf_agn.decoupled import split_model
 from tf_agn.optimizers import DistributedOptimizer
@@ -58,6 +60,15 @@ def test_windowed_optimizer_refuses_an_inner_optimizer_that_aggregates():
         tf_agn.optimizers.AGN(inner)
     local = tf_agn.optimizers.AGN(tf_agn.optimizers.Adam(aggregation_method="none"))
     assert local.aggregation is tf_agn.AggregationMethod.MEAN
+
+
+def test_a_compressor_is_refused_a_pattern_it_does_not_carry():
+    values = [[tf.ones([2, 6])] for _ in range(2)]
+    with raises(ValueError, "compression='powersgd' carries no reduce_scatter; it carries all_reduce"):
+        combine_replicas(
+            SimulatedReplicas(2), tf_agn.AggregationMethod.SUM, values,
+            compressor=tf_agn.compression.PowerSGD(rank=1), pattern="reduce_scatter",
+        )
 
 
 def test_aggregation_is_not_a_name_of_aggregation_method():

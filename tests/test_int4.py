@@ -52,19 +52,33 @@ def test_codes_scales_and_words_are_numpys():
     restored = int8.dequantize(codes, scales).numpy()
     assert np.all(np.abs(restored - chunks) <= want_scales[:, None] / 2 * (1 + 1e-6))
     np.testing.assert_array_equal(restored[2], 0)
-
-    # Sharded state's rows: two rows of three chunks each, on the wire.
-    int4 = compression.Int4(chunk_size=16)
-    rows = chunks.reshape(2, 48)
-    wire, error = int4.encode_rows(tf.constant(rows))
+    # Two rows of three chunks each, on the wire.
+    wire = int8._to_wire(codes, scales, 2, 4)
     assert wire.dtype == tf.int32 and wire.shape == (2, 48 // 8 + 3)
     for r in range(2):
         np.testing.assert_array_equal(
             wire[r].numpy(), numpy_words(want_codes[3 * r : 3 * r + 3], want_scales[3 * r : 3 * r + 3])
         )
-    np.testing.assert_array_equal(error.numpy(), rows - restored.reshape(2, 48))
-    summed = int4.decode_rows(wire, 48, tf.float32).numpy()
-    np.testing.assert_array_equal(summed, restored.reshape(2, 48).sum(axis=0))
+
+    # Sharded state's rows: two replicas reduce-scatter two rows of three
+    # chunks each, replica r's rows being r + 1 times `chunks`. Each sends
+    # its rows' codes (the same codes: a scale is per chunk) and keeps
+    # what they dropped; replica r receives row r of both.
+    rows = chunks.reshape(2, 48)
+    values = [[tf.constant(rows * (r + 1))] for r in range(2)]
+    states = [[{"residual": tf.zeros([2, 48])}] for _ in range(2)]
+    parts, new_states = combine_replicas(
+        SimulatedReplicas(2), AggregationMethod.SUM, values, compressor=compression.Int4(chunk_size=16),
+        states=states, pattern="reduce_scatter",
+    )
+    restored_rows = restored.reshape(2, 48)
+    # A residual is a difference of values up to |2 * chunks|: a few ulps of it.
+    ulps = 4 * np.spacing(2 * np.abs(chunks).max())
+    for r in range(2):
+        np.testing.assert_allclose(parts[r][0].numpy(), 3 * restored_rows[r], rtol=1e-6)
+        np.testing.assert_allclose(
+            new_states[r][0]["residual"].numpy(), (r + 1) * (rows - restored_rows), rtol=0, atol=ulps
+        )
 
 
 def test_wire_bytes_are_half_a_byte_per_element_and_a_scale_per_chunk():

@@ -148,36 +148,71 @@ def _merged(ops, pattern, method, value_scale, compressor, strategy, when, step,
     return _regroup_each(zip(*combined)), new_states
 
 
-def reduce_scatter(tensors, method, value_scale=1, when=None):
-    """This replica's row of the SUM or MEAN of every replica's `tensors`
-    (row r of the first dimension is for replica r), in replica context
-    under `AggregatingAllReduce`; raises ValueError otherwise. Where `when`
-    is false nothing travels and the results are placeholders."""
+def reduce_scatter(
+    tensors, method, value_scale=1, when=None, compressor=None, states=None, step=None
+):
+    """This replica's row of the SUM or MEAN of every replica's `tensors`,
+    in replica context under `AggregatingAllReduce`.
+
+    Args:
+        tensors: this replica's tensors, each of n rows (the replicas in
+            sync), row r for replica r.
+        method: SUM or MEAN, or its name.
+        value_scale: a Python number every tensor is multiplied by first.
+        when: None, or a scalar boolean tensor alike on every replica:
+            where false, nothing travels and the rows are placeholders.
+        compressor: None, or the compressor the tensors travel in; its
+            `patterns` carry "reduce_scatter".
+        states: for a compressor with state: one dict per tensor from its
+            `state_spec` names to this replica's state tensors.
+        step: for a compressor with a `start_step`: the optimizer's step.
+
+    Returns:
+        `(rows, new_states)`: this replica's row of each tensor, and its
+        `states` after sending them (as given with one replica).
+
+    Raises:
+        ValueError: for a method other than SUM or MEAN, or a strategy
+            without tf_agn's ops.
+
+    Example:
+
+    ```python
+    def step(rows):  # in strategy.run; rows: [n, length]
+        (mine,), _ = tf_agn.collectives.routing.reduce_scatter([rows], "sum")
+        return mine
+    ```
+    """
     method = AggregationMethod.parse(method)
     if method not in (AggregationMethod.SUM, AggregationMethod.MEAN):
         raise ValueError(f"reduce_scatter combines by SUM or MEAN; received {method.name}.")
+    step = None if compressor is None or not compressor.start_step else tf.convert_to_tensor(step)
     return _pattern(
         "reduce_scatter", tensors, lambda t: scale_value(t[0], value_scale), when,
-        method, value_scale,
+        method, value_scale, compressor, states, step,
     )
 
 
 def all_gather(tensors, when=None):
     """Every replica's `tensors` concatenated in replica order
     (`reduce_scatter`'s counterpart)."""
-    return _pattern("all_gather", tensors, lambda t: t, when)
+    return _pattern("all_gather", tensors, lambda t: t, when)[0]
 
 
 def all_to_all(tensors, when=None):
     """Sends row j of each tensor to replica j; returns row j from replica j."""
-    return _pattern("all_to_all", tensors, lambda t: t, when)
+    return _pattern("all_to_all", tensors, lambda t: t, when)[0]
 
 
-def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
-    """`pattern` of `tensors` in one `merge_call`, or `alone(t)` with one replica."""
+def _pattern(
+    pattern, tensors, alone, when, method=None, value_scale=1, compressor=None, states=None,
+    step=None,
+):
+    """`(results, new_states)` of `pattern` in one `merge_call`, or
+    `alone(t)` of each tensor with one replica."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return [alone(t) for t in tensors]
+        return [alone(t) for t in tensors], states
     ops = cross_device_ops.tf_agn_ops(context.strategy)
     if ops is None:
         raise ValueError(
@@ -185,11 +220,10 @@ def _pattern(pattern, tensors, alone, when, method=None, value_scale=1):
             f"mirrored or multi_worker_mirrored); this strategy is "
             f"{type(context.strategy).__name__}."
         )
-    combined, _ = context.merge_call(
-        functools.partial(_merged, ops, pattern, method, value_scale, None),
-        args=(when, None, tensors, None),
+    return context.merge_call(
+        functools.partial(_merged, ops, pattern, method, value_scale, compressor),
+        args=(when, step, tensors, states),
     )
-    return combined
 
 
 def _stand_in(pattern, tensor, n):
@@ -283,10 +317,11 @@ def combine_replicas(
 ):
     """Combines every local replica's values with `method` by `pattern`.
 
-    An all-reduce gathers sparse values (`tf.IndexedSlices`); dense values
-    travel in packs of one dtype, each all-reduced; the values `compressor`
-    acts on travel by its `combine`, with its state. The other patterns
-    launch one collective per value.
+    The values `compressor` acts on travel by its `combine`, with its
+    state, for an all-reduce or a reduce-scatter. Of the others, an
+    all-reduce gathers sparse values (`tf.IndexedSlices`) and all-reduces
+    dense ones in packs of one dtype; the other patterns launch one
+    collective per value.
 
     Args:
         transport: a `tf_agn.transports` transport.
@@ -305,17 +340,24 @@ def combine_replicas(
             uncompressed), as the transports define them.
 
     Returns:
-        `(combined, new_states)`: `combined` laid out like `values`, the
-        same sum on every replica; `new_states` laid out like `states`.
+        `(combined, new_states)`: `combined` laid out like `values`;
+        `new_states` laid out like `states`.
+
+    Raises:
+        ValueError: for a compressor that acts on values but does not
+            carry `pattern`.
     """
-    if pattern != "all_reduce":
-        return _launch_each(transport, pattern, method, values, value_scale), states
     like = values[0]
     compressed = [i for i, value in enumerate(like) if compression.compresses(compressor, value)]
+    if compressed and pattern not in compressor.patterns:
+        raise ValueError(
+            f"compression={compressor.name!r} carries no {pattern}; it carries "
+            f"{', '.join(compressor.patterns)}."
+        )
     exact = [i for i in range(len(like)) if i not in set(compressed)]
     combined = [list(replica) for replica in values]
     _place(combined, exact, _combine_exactly(
-        transport, method, [[replica[i] for i in exact] for replica in values], value_scale
+        transport, pattern, method, [[replica[i] for i in exact] for replica in values], value_scale
     ))
     if not compressed:
         return combined, states
@@ -326,13 +368,14 @@ def combine_replicas(
         for replica in (states or values)
     ]
     compress = functools.partial(
-        _kept_where_finite, compressor, transport, compressed_values, compressed_states, weights
+        _kept_where_finite, compressor, transport, pattern, compressed_values, compressed_states,
+        weights,
     )
     if compressor.start_step:
         # Before it, values travel exactly and the state waits.
         results, new_compressed_states = tf.cond(
             step < compressor.start_step,
-            lambda: (transport.all_reduce(compressed_values, weights), compressed_states),
+            lambda: (_launch(transport, pattern, compressed_values, lambda dtype: weights), compressed_states),
             compress,
         )
     else:
@@ -345,16 +388,20 @@ def combine_replicas(
     return combined, new_states
 
 
-def _combine_exactly(transport, method, values, value_scale):
-    """Every local replica's `values`: sparse ones gathered, dense ones
-    all-reduced in packs."""
+def _combine_exactly(transport, pattern, method, values, value_scale):
+    """Every local replica's `values` by `pattern`: an all-reduce's sparse
+    ones gathered, its dense ones all-reduced in packs; the other patterns'
+    one collective per value."""
     if not values[0]:
         return values
-    sparse, _ = packing.split_packs(values[0], transport.bytes_per_pack)
-    dense = [i for i in range(len(values[0])) if i not in set(sparse)]
 
     def weights_of(dtype):
         return sum_weights(method, dtype, transport, value_scale)
+
+    if pattern != "all_reduce":
+        return _launch(transport, pattern, values, weights_of)
+    sparse, _ = packing.split_packs(values[0], transport.bytes_per_pack)
+    dense = [i for i in range(len(values[0])) if i not in set(sparse)]
 
     combined = [list(replica) for replica in values]
     _place(combined, dense, packing.all_reduce_packs(
@@ -370,15 +417,18 @@ def _combine_exactly(transport, method, values, value_scale):
     return combined
 
 
-def _launch_each(transport, pattern, method, values, value_scale):
-    """One `pattern` per position of the local replicas' lists of `values`."""
+def _launch(transport, pattern, values, weights_of):
+    """`pattern` of every local replica's `values`, exactly, each replica
+    weighted by `weights_of(dtype)` where the pattern sums: an all-reduce
+    in one call, the other patterns one collective per value."""
+    if pattern == "all_reduce":
+        return transport.all_reduce(values, weights_of(values[0][0].dtype))
     launch = getattr(transport, pattern)
     combined = [[] for _ in values]
     for position in range(len(values[0])):
         tensors = [replica[position] for replica in values]
         if pattern == "reduce_scatter":
-            weights = sum_weights(method, tensors[0].dtype, transport, value_scale)
-            results = launch(tensors, weights)
+            results = launch(tensors, weights_of(tensors[0].dtype))
         elif pattern == "all_gather_rows":
             results = [rows for (rows,) in launch([[tensor] for tensor in tensors])]
         else:
@@ -388,11 +438,11 @@ def _launch_each(transport, pattern, method, values, value_scale):
     return combined
 
 
-def _kept_where_finite(compressor, transport, values, states, weights):
+def _kept_where_finite(compressor, transport, pattern, values, states, weights):
     """`compressor.combine`, keeping each replica's old state where its
     combined values are not finite (a mixed precision overflow must not
     make every later residual NaN)."""
-    combined, new_states, finite = compressor.combine(transport, values, states, weights)
+    combined, new_states, finite = compressor.combine(transport, values, states, weights, pattern)
     guarded = []
     for device, new, old, replica_finite in zip(transport.devices, new_states, states, finite):
         with tf.device(device):

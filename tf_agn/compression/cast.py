@@ -23,6 +23,7 @@ Compiled functions trace once per compressor object: keep the default
 import tensorflow as tf
 
 from tf_agn.collectives import packing
+from tf_agn.collectives.aggregation_method import weighted
 from tf_agn.compression.compressor import Compressor
 from tf_agn.compression.compressor import each_finite
 from tf_agn.compression.compressor import num_elements
@@ -70,8 +71,21 @@ class Cast(Compressor):
         del num_replicas, bytes_per_pack  # Nothing is padded.
         return sum(num_elements(v) * self.wire_dtype(tf.as_dtype(v.dtype)).size for v in values)
 
-    def combine(self, transport, values, states, weights):
-        combined = packing.all_reduce_packs(transport, values, lambda dtype: weights, self)
+    def combine(self, transport, values, states, weights, pattern="all_reduce"):
+        if pattern == "all_reduce":
+            combined = packing.all_reduce_packs(transport, values, lambda dtype: weights, self)
+            return combined, states, each_finite(transport.devices, combined)
+        combined = [[] for _ in values]
+        for position in range(len(values[0])):
+            tensors = weighted([replica[position] for replica in values], weights, transport.devices)
+            wires = []
+            for device, tensor in zip(transport.devices, tensors):
+                with tf.device(device):
+                    wires.append(self.compress(tensor))
+            dtype = values[0][position].dtype
+            for device, replica, row in zip(transport.devices, combined, transport.reduce_scatter(wires)):
+                with tf.device(device):
+                    replica.append(self.decompress(row, dtype))
         return combined, states, each_finite(transport.devices, combined)
 
     def encode(self, value, state):
@@ -81,14 +95,6 @@ class Cast(Compressor):
     def decode(self, payload, shape, dtype):
         del shape
         return self.decompress(payload[0], dtype)
-
-    def encode_rows(self, rows, residual_rows=None):
-        del residual_rows  # A cast drops nothing it could send later.
-        return self.compress(rows), None
-
-    def decode_rows(self, received, length, dtype):
-        del length
-        return self.decompress(received, dtype)
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"

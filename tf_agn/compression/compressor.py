@@ -27,10 +27,10 @@ class Compressor:
     A compressor answers, one method or attribute each: which values it
     acts on (`acts_on`), which collective patterns carry them (`patterns`),
     the bytes it sends (`wire_bytes`), and the state each replica keeps
-    (`state_spec`, `start_step`). `combine` sums the replicas' values;
+    (`state_spec`, `start_step`). `combine` sums the replicas' values, by
+    an all-reduce or a reduce-scatter (sharded optimizer state);
     `encode`/`decode` carry one value to a single receiver (a commit to a
-    parameter server); `encode_rows`/`decode_rows` carry a reduce-scatter's
-    rows (sharded optimizer state). `tf_agn.compression.Cast` is the
+    parameter server). `tf_agn.compression.Cast` is the
     smallest complete compressor, `tf_agn.compression.Int8` one with state.
 
     Attributes:
@@ -71,18 +71,21 @@ class Compressor:
         del shape
         return {}
 
-    def combine(self, transport, values, states, weights):
+    def combine(self, transport, values, states, weights, pattern="all_reduce"):
         """Sums every local replica's values, compressed.
 
         Args:
             transport: the `tf_agn.transports` transport to send through.
             values: for each local replica, its list of tensors this
-                compressor acts on.
+                compressor acts on; for a "reduce_scatter", each of
+                `transport.size` rows, row r for replica r.
             states: for each local replica, one dict per value holding the
                 tensors `state_spec` asked for.
             weights: for each local replica, the Python number (or float32
                 scalar) its values are multiplied by before compression
                 (0: it contributes nothing).
+            pattern: a key of `patterns`: "all_reduce" (every replica gets
+                the sums) or "reduce_scatter" (replica r gets row r of them).
 
         Returns:
             `(combined, new_states, finite)`: `combined` and `new_states`
@@ -99,17 +102,6 @@ class Compressor:
 
     def decode(self, payload, shape, dtype):
         """The value `encode` made `payload` of, on the receiver."""
-        raise NotImplementedError
-
-    def encode_rows(self, rows, residual_rows=None):
-        """`(wire, error)`: `rows` ([n, length], row j for replica j) plus
-        `residual_rows`, as `patterns["reduce_scatter"]` carries them, and
-        what compression dropped (None where nothing is kept)."""
-        raise NotImplementedError
-
-    def decode_rows(self, received, length, dtype):
-        """This replica's summed row ([length] of `dtype`) from what
-        `patterns["reduce_scatter"]` delivered of `encode_rows` wires."""
         raise NotImplementedError
 
     def get_config(self):

@@ -110,22 +110,23 @@ class Int8(ErrorFeedbackCompressor):
         flat = tf.reshape(dequantize(codes, scales), [-1])
         return tf.cast(tf.reshape(flat[:length], shape), dtype)
 
-    def combine(self, transport, values, states, weights):
-        devices, jit_compile = transport.devices, transport.jit_compile
+    def combine(self, transport, values, states, weights, pattern="all_reduce"):
+        rows = pattern == "reduce_scatter"
+        # A reduce-scatter's rows (sharded state) run as TensorFlow's kernels,
+        # as they did before sharing this path: XLA on CPUs contracts
+        # x - codes * scale into one FMA, which rounds the residual otherwise.
+        devices, jit_compile = transport.devices, transport.jit_compile and not rows
         combined = [[None] * len(v) for v in values]
         new_states = [[{} for _ in v] for v in values]
-        sizes = [(v.dtype, v.shape.num_elements()) for v in values[0]]
         # Backward order, as `tf_agn.collectives.packing.all_reduce_packs` launches packs.
-        for pack, layout in reversed(_plan(
-            sizes, transport.size, self.chunk_size, self.bits, transport.bytes_per_pack
-        )):
+        for pack, layout in reversed(self._plan(values[0], transport, rows)):
             shapes = tuple(tuple(values[0][i].shape.as_list()) for i in pack)
             wires, worker_errors = [], []
             for r, device in enumerate(devices):
                 residuals = [states[r][i]["residual"] for i in pack] if self.error_feedback else []
                 with tf.device(device):
                     flat = compiled(_pack, jit_compile, device)(
-                        [values[r][i] for i in pack], residuals, weights[r], layout
+                        [values[r][i] for i in pack], residuals, weights[r], layout, rows
                     )
                     wire, error = self._quantized(flat, layout.parts, jit_compile, device)
                 wires.append(wire)
@@ -134,13 +135,23 @@ class Int8(ErrorFeedbackCompressor):
             totals = transport.reduce_scatter(
                 wires, sum_parts=lambda received: sum_part(received, layout)
             )
-            rows, owner_errors = [], []
+            if rows:
+                (index,) = pack
+                (parts, length) = shapes[0]
+                for r, device in enumerate(devices):
+                    with tf.device(device):
+                        combined[r][index] = totals[r][:length]
+                        if self.error_feedback:
+                            error = tf.reshape(worker_errors[r], [parts, -1])[:, :length]
+                            new_states[r][index] = {"residual": error}
+                continue
+            gathered_rows, owner_errors = [], []
             for device, total in zip(devices, totals):
                 with tf.device(device):
                     row, error = self._quantized(total, 1, jit_compile, device)
-                rows.append(row)
+                gathered_rows.append(row)
                 owner_errors.append(error)
-            gathered = transport.all_gather(rows)
+            gathered = transport.all_gather(gathered_rows)
             for r, device in enumerate(devices):
                 with tf.device(device):
                     # TensorFlow's split does not copy; XLA's would.
@@ -157,24 +168,17 @@ class Int8(ErrorFeedbackCompressor):
                         new_states[r][index] = {"residual": residuals[position]}
         return combined, new_states, each_finite(devices, combined)
 
-    def encode_rows(self, rows, residual_rows=None):
-        """Each row ([n, length] float32) plus its residual, padded to whole
-        chunks and quantized, as one int32 buffer of n rows."""
-        layout = _rows_layout(*rows.shape, self.chunk_size, self.bits)
-        if residual_rows is not None:
-            rows += residual_rows
-        padding = layout.part_length - rows.shape[1]
-        flat = tf.reshape(tf.pad(rows, [[0, 0], [0, padding]]), [-1])
-        codes, scales = _quantize_flat(flat, self.chunk_size, self.bits)
-        wire, error = _encode(flat, codes, scales, layout.parts, self.bits, self.error_feedback)
-        if error is not None:
-            error = tf.reshape(error, [layout.parts, -1])[:, : rows.shape[1]]
-        return wire, error
-
-    def decode_rows(self, received, length, dtype):
-        """The float32 sum of the n rows that the all-to-all delivered."""
-        layout = _rows_layout(received.shape[0], length, self.chunk_size, self.bits)
-        return tf.cast(_sum_part(received, layout)[:length], dtype)
+    def _plan(self, like, transport, rows):
+        """The packs of `like` (one replica's values), each as its indices
+        and `_Layout`: an all-reduce's in packs of `bytes_per_pack`; a
+        reduce-scatter's each value alone, its rows padded to whole chunks."""
+        if not rows:
+            sizes = [(v.dtype, v.shape.num_elements()) for v in like]
+            return _plan(sizes, transport.size, self.chunk_size, self.bits, transport.bytes_per_pack)
+        return [
+            ([i], _rows_layout(*value.shape.as_list(), self.chunk_size, self.bits))
+            for i, value in enumerate(like)
+        ]
 
     def _quantized(self, flat, rows, jit_compile, device):
         """`flat` quantized as an int32 buffer of `rows` rows, and what
@@ -251,7 +255,7 @@ def _plan(sizes, parts, chunk_size, bits, bytes_per_pack=None):
 
 
 def _rows_layout(num_rows, length, chunk_size, bits):
-    """How `Int8.encode_rows` pads n rows of `length`: each to whole chunks."""
+    """How a reduce-scatter pads n rows of `length`: each to whole chunks."""
     padded = -(-length // chunk_size) * chunk_size
     return _Layout(num_rows * padded, num_rows, chunk_size, bits)
 
@@ -333,8 +337,16 @@ def _from_wire(wire, layout):
 # concatenation or reduction in each consumer (one call was 1.5x slower).
 
 
-def _pack(tensors, residuals, scale, layout):
-    """One replica's pack, scaled, plus its residuals: flat and padded."""
+def _pack(tensors, residuals, scale, layout, rows):
+    """One replica's pack, scaled, plus its residuals: flat and padded, as a
+    whole, or (`rows`: one tensor of `layout.parts` rows) row by row."""
+    if rows:
+        (tensor,) = tensors
+        scaled = tensor * scale
+        if residuals:
+            scaled += residuals[0]
+        width = layout.part_length - tensor.shape[1]
+        return tf.reshape(tf.pad(scaled, [[0, 0], [0, width]]), [-1])
     flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0) * scale
     if residuals:
         flat += tf.concat([tf.reshape(e, [-1]) for e in residuals], 0)

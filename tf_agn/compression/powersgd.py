@@ -149,7 +149,8 @@ class PowerSGD(ErrorFeedbackCompressor):
         basis, q = payload
         return tf.cast(tf.reshape(low_rank(basis, q), shape), dtype)
 
-    def combine(self, transport, values, states, weights):
+    def combine(self, transport, values, states, weights, pattern="all_reduce"):
+        del pattern  # Only "all_reduce" (`patterns`).
         devices, jit_compile = transport.devices, transport.jit_compile
         plan = tuple(
             (tuple(v.shape.as_list()), self.matrix_shape(v.shape)) for v in values[0]

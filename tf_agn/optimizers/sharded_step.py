@@ -4,9 +4,7 @@
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.collectives import packing
 from tf_agn.collectives.aggregation_method import AggregationMethod
-from tf_agn.collectives.aggregation_method import contributor_weight
 from tf_agn.compression import compresses
 from tf_agn.collectives.finite import all_finite
 from tf_agn.optimizers.compressor_state import check_gradients
@@ -15,7 +13,6 @@ from tf_agn.optimizers.loss_scaling import not_counted
 from tf_agn.optimizers.step import Step
 from tf_agn.collectives.routing import aggregate
 from tf_agn.collectives.routing import all_gather
-from tf_agn.collectives.routing import all_to_all
 from tf_agn.collectives.routing import keras_loss_divisor
 from tf_agn.collectives.routing import reduce_scatter
 
@@ -159,37 +156,24 @@ class ShardedStep(Step):
         Returns:
             `(part, new residual rows or None, {pattern: (bytes, condition)})`.
         """
-        compressor, method = self.compressor, self.method
-        scale = keras_loss_divisor() * value_scale
-        num_replicas, length = joined.shape
-        exact_bytes = joined.shape.num_elements() * joined.dtype.size // 2
+        compressor = self.compressor
+        (part,), new_states = reduce_scatter(
+            [joined], self.method, keras_loss_divisor() * value_scale, when,
+            compressor=compressor, states=None if residual is None else [{"residual": residual}],
+            step=self.optimizer.iterations,
+        )
+        error = None if residual is None else new_states[0]["residual"]
+        exact = joined.shape.num_elements() * joined.dtype.size // 2
         if not compresses(compressor, joined):
-            (part,) = reduce_scatter([joined], method, scale, when)
-            return part, None, {"reduce_scatter": (exact_bytes, None)}
-        # Compressed rows travel weighted in float32, as on every path.
-        weighted = packing.scaled(joined, contributor_weight(method, joined.dtype, num_replicas, scale))
-        wire, error = compressor.encode_rows(weighted, residual)
+            return part, error, {"reduce_scatter": (exact, None)}
         (pattern,) = compressor.patterns["reduce_scatter"]
-        sent = compressor.wire_bytes([joined], num_replicas) // 2
-
-        def carried(condition):
-            if pattern == "reduce_scatter":
-                return reduce_scatter([wire], AggregationMethod.SUM, when=condition)[0]
-            return all_to_all([wire], condition)[0]
-
+        sent = compressor.wire_bytes([joined], joined.shape[0]) // 2
         if not compressor.start_step:
-            part = compressor.decode_rows(carried(when), length, joined.dtype)
             return part, error, {pattern: (sent, None)}
-        # Before `start_step` the rows travel exactly and the residual waits.
+        # Before `start_step` the rows travel exactly.
         compressing = tf.greater_equal(self.optimizer.iterations, compressor.start_step)
-        exactly = tf.logical_not(compressing)
-        (exact,) = reduce_scatter([joined], method, scale, _both(when, exactly))
-        received = carried(_both(when, compressing))
-        part = tf.where(compressing, compressor.decode_rows(received, length, joined.dtype), exact)
-        if error is not None:
-            error = tf.where(compressing, error, residual)
         return part, error, {
-            "reduce_scatter": (exact_bytes, exactly), pattern: (sent, compressing)
+            "reduce_scatter": (exact, tf.logical_not(compressing)), pattern: (sent, compressing)
         }
 
 
