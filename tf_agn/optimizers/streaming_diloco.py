@@ -227,6 +227,13 @@ class StreamingDiLoCo(WindowedOptimizer):
             mixed = ops.add(center, ops.multiply(alpha, ops.subtract(built[i], center)))
             built[i].assign(mixed)
 
+    def resume_from_centers(self):
+        # Not back to the window's start: each fragment's center is its last
+        # landing, so the schedule goes on from the backup's step and a Δ in
+        # flight lands when due (rolled back, a fragment that landed since
+        # would land twice, and the Δ in flight would be lost).
+        return
+
     def finalize_variable_values(self, var_list):
         # Not WindowedOptimizer's partial commit: a fragment may be in flight.
         super(WindowedOptimizer, self).finalize_variable_values(var_list)

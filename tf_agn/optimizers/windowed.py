@@ -219,6 +219,13 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             )
         self._swap_function()
 
+    def resume_from_centers(self):
+        """Steps back to the start of the window: called where a resume on
+        another replica count replaced the weights with the centers, which
+        were committed there."""
+        iterations = self.inner_optimizer.iterations
+        iterations.assign(iterations.numpy() // self.local_steps * self.local_steps)
+
     def finalize_variable_values(self, var_list):
         """Commits a partial window at the end of `fit`."""
         if self.built:

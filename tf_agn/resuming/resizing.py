@@ -28,7 +28,6 @@ import tensorflow as tf
 
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.optimizers import saving
-from tf_agn.optimizers.streaming_diloco import StreamingDiLoCo
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.resuming.replica_state import assign_every_copy
 
@@ -130,13 +129,8 @@ def restore(model, task_arrays, pointer, num_replicas):
         assign_every_copy(
             model.distribute_strategy, owed_variables, [owed[id(v)] for v in owed_variables]
         )
-        # Streaming DiLoCo's centers are each fragment's last landing: its
-        # schedule goes on from the backup's step, the Δ in flight landing
-        # when due (rolled back, a fragment that landed since would land
-        # twice, and the Δ in flight would be lost).
-        if windowed and not isinstance(optimizer, StreamingDiLoCo):
-            iterations = optimizer.inner_optimizer.iterations
-            iterations.assign(iterations.numpy() // optimizer.local_steps * optimizer.local_steps)
+        if windowed:
+            optimizer.resume_from_centers()
         _warn_if_the_step_changes(optimizer, old_replicas, num_replicas)
 
 
