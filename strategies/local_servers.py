@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from tf_agn.strategies.ports import unreachable
 from tf_agn.strategies.server import SERVING
 from tf_agn.strategies.server import start_server
-from tf_agn.strategies.ports import unreachable
 
 # How much of a failed server's output an error message shows.
 _LOG_TAIL_CHARS = 3000

@@ -5,8 +5,8 @@ import numbers
 
 import tensorflow as tf
 
-from tf_agn.utils import devices as devices_lib
 from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
+from tf_agn.utils import devices as devices_lib
 
 
 def split_cpu(num_devices):

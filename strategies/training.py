@@ -10,10 +10,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_agn.utils.training_loop import run_epochs
 from tf_agn.strategies.commit_server import APPLIED
-from tf_agn.strategies.commit_server import CommitServer
 from tf_agn.strategies.commit_server import REJECTED_NON_FINITE
+from tf_agn.strategies.commit_server import CommitServer
 from tf_agn.strategies.evaluation import build_compiled_metrics
 from tf_agn.strategies.evaluation import evaluate
 from tf_agn.strategies.recovery import checkpoint_manager
@@ -25,6 +24,7 @@ from tf_agn.strategies.training_checks import check_model
 from tf_agn.strategies.training_checks import dataset_from
 from tf_agn.strategies.worker import Worker
 from tf_agn.strategies.worker import window_function
+from tf_agn.utils.training_loop import run_epochs
 
 
 def fit(

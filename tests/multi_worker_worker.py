@@ -81,8 +81,8 @@ import keras  # noqa: E402
 
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
-from tf_agn.optimizers import saving  # noqa: E402
 from tf_agn.collectives.cross_device_ops import tf_agn_ops  # noqa: E402
+from tf_agn.optimizers import saving  # noqa: E402
 from multi_worker_data import COMPRESSION_STATE  # noqa: E402
 from multi_worker_data import DTYPES  # noqa: E402
 from multi_worker_data import SHAPES  # noqa: E402

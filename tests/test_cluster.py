@@ -27,8 +27,8 @@ from cluster_checks import own_servers
 from cluster_checks import port_is_free
 from cluster_checks import run_in_fresh_process
 from tf_agn.strategies import LocalCluster
-from tf_agn.strategies import parameter_server
 from tf_agn.strategies import cluster as cluster_module
+from tf_agn.strategies import parameter_server
 from tf_agn.strategies.ports import accepts
 from tf_agn.strategies.ports import free_ports
 

@@ -16,8 +16,8 @@ from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from overflow import mixed_float16
 from tf_agn import compression
-from tf_agn.collectives.communication import payload_bytes
 from tf_agn.collectives.aggregation_method import AggregationMethod
+from tf_agn.collectives.communication import payload_bytes
 from tf_agn.collectives.routing import combine_replicas
 from tf_agn.transports import LocalTransport
 

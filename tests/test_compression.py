@@ -26,8 +26,8 @@ from conftest import DEVICES
 from conftest import NUM_REPLICAS
 from multi_worker_data import large_values
 import replica_aggregate
-from tf_agn.collectives import agreement
 from tf_agn import compression
+from tf_agn.collectives import agreement
 
 SUM = tf.distribute.ReduceOp.SUM
 MEAN = tf.distribute.ReduceOp.MEAN

@@ -27,9 +27,9 @@ import restart_model
 import tf_agn
 from conftest import DEVICES
 from scripts import checkout_env
+from tf_agn.optimizers import saving
 from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_and_restore import POINTER
-from tf_agn.optimizers import saving
 from tf_agn.strategies import launch
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")

@@ -12,8 +12,8 @@ import zlib
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn import transports
 from tf_agn import compression
+from tf_agn import transports
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.cross_device_ops import tf_agn_ops
 

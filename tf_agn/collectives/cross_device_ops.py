@@ -6,11 +6,11 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn import compression as compression_lib
+from tf_agn import transports
 from tf_agn.collectives import packing
 from tf_agn.collectives import placement
 # routing imports this module too: both import the other by module.
 from tf_agn.collectives import routing
-from tf_agn import transports
 from tf_agn.collectives.aggregation_method import AggregationMethod
 
 CommunicationOptions = tf.distribute.experimental.CommunicationOptions

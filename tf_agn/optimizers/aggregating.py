@@ -6,11 +6,12 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.collectives import agreement
 from tf_agn import compression as compression_lib
+from tf_agn.collectives import agreement
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.communication import CommunicationCounter
-from tf_agn.utils.memory import memory_stats
+from tf_agn.collectives.cross_device_ops import default_aggregation
+from tf_agn.optimizers import saving
 from tf_agn.optimizers.accumulation import Accumulation
 from tf_agn.optimizers.accumulation import add_accumulator
 from tf_agn.optimizers.accumulation import check_accumulation_reduction
@@ -19,11 +20,10 @@ from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compressor_state import add_compressor_state
 from tf_agn.optimizers.compressor_state import check_sparse_gradients
 from tf_agn.optimizers.compressor_state import declared_sparse
-from tf_agn.optimizers import saving
 from tf_agn.optimizers.sharded_step import ShardedStep
 from tf_agn.optimizers.sharding import Shards
 from tf_agn.optimizers.step import Step
-from tf_agn.collectives.cross_device_ops import default_aggregation
+from tf_agn.utils.memory import memory_stats
 
 
 class Aggregating(Communicating):

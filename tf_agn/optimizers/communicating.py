@@ -2,8 +2,8 @@
 
 from tf_agn import _compat
 from tf_agn.collectives.communication import communication_stats
-from tf_agn.optimizers.loss_scaling import all_replicas_finite
 from tf_agn.collectives.cross_device_ops import default_compression
+from tf_agn.optimizers.loss_scaling import all_replicas_finite
 
 
 class Communicating:

@@ -23,8 +23,8 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.collectives import packing
 from tf_agn.collectives.aggregation_method import AggregationMethod
-from tf_agn.collectives.routing import all_gather
 from tf_agn.collectives.cross_device_ops import tf_agn_ops
+from tf_agn.collectives.routing import all_gather
 
 # Keras's optimizers whose update is element by element.
 ELEMENTWISE = (

@@ -12,11 +12,11 @@ import tensorflow as tf
 
 from tf_agn import _compat
 from tf_agn.collectives.finite import all_finite
+from tf_agn.collectives.routing import aggregate
+from tf_agn.collectives.routing import keras_loss_divisor
 from tf_agn.optimizers.compressor_state import check_gradients
 from tf_agn.optimizers.loss_scaling import loss_scaled
 from tf_agn.optimizers.loss_scaling import not_counted
-from tf_agn.collectives.routing import aggregate
-from tf_agn.collectives.routing import keras_loss_divisor
 
 
 class Step:

@@ -8,9 +8,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn.collectives.routing import aggregate
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.optimizers.windowed import in_cross_replica_context
-from tf_agn.collectives.routing import aggregate
 
 
 # How layers are split into fragments (`fragments_by_layer`).

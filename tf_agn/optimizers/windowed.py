@@ -7,19 +7,19 @@ from keras import ops
 import tensorflow as tf
 
 from tf_agn import _compat
-from tf_agn.collectives import agreement
 from tf_agn import compression as compression_lib
+from tf_agn.collectives import agreement
 from tf_agn.collectives.aggregation_method import AggregationMethod
 from tf_agn.collectives.communication import CommunicationCounter
-from tf_agn.utils.memory import memory_stats
+from tf_agn.collectives.cross_device_ops import default_aggregation
+from tf_agn.collectives.routing import aggregate
 from tf_agn.optimizers.aggregating import Aggregating
 from tf_agn.optimizers.commit_rules import CommitRules
 from tf_agn.optimizers.communicating import Communicating
 from tf_agn.optimizers.compressor_state import add_compressor_state
 from tf_agn.optimizers.wrapping import WrappingOptimizer
 from tf_agn.optimizers.wrapping import check_wrappable
-from tf_agn.collectives.routing import aggregate
-from tf_agn.collectives.cross_device_ops import default_aggregation
+from tf_agn.utils.memory import memory_stats
 
 # Settings older configs wrote with these meaningless values.
 _FORMER_CONFIG_ENTRIES = {"accumulation_reduction": "mean", "sparse_gradients": None}

@@ -25,7 +25,6 @@ replica of every worker), `rank(r)`, `bytes_per_pack` and `jit_compile`:
 
 import tensorflow as tf
 
-from tf_agn.utils import devices as devices_lib
 from tf_agn.transports.collective import CollectiveTransport
 from tf_agn.transports.groups import DEFAULT_TIMEOUT_SECONDS
 from tf_agn.transports.groups import CollectiveGroup
@@ -33,6 +32,7 @@ from tf_agn.transports.groups import collective_group
 from tf_agn.transports.groups import default_implementation
 from tf_agn.transports.local import LocalTransport
 from tf_agn.transports.replica import ReplicaTransport
+from tf_agn.utils import devices as devices_lib
 
 TRANSPORTS = ("auto", "local", "collective")
 

@@ -3,10 +3,10 @@ sum taken on one reduce device."""
 
 import tensorflow as tf
 
-from tf_agn.utils import devices as devices_lib
 from tf_agn.collectives import packing
 from tf_agn.collectives import placement
 from tf_agn.collectives.aggregation_method import weighted
+from tf_agn.utils import devices as devices_lib
 
 
 class LocalTransport:
