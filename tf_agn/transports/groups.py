@@ -84,7 +84,7 @@ class CollectiveGroup:
             gathered = tf.raw_ops.CollectiveGatherV2(input=tensor, **arguments)
         ```
         """
-        counter, token = self._state(replica)
+        counter, token = self._counter_and_token(replica)
         # Instance keys are drawn when the step runs, not when traced, so
         # replicas agree however often a worker retraces.
         with tf.device(counter.device):
@@ -100,7 +100,7 @@ class CollectiveGroup:
             "timeout_seconds": options.timeout_seconds or 0,
         }
 
-    def _state(self, replica):
+    def _counter_and_token(self, replica):
         """Replica `replica`'s instance-key counter and ordering token."""
         with self._lock:
             if self._instance_counters[replica] is None:
