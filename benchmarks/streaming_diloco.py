@@ -15,8 +15,8 @@ Methods, each built from `--seed`:
 - `sync`: `tf_agn.optimizers.Adam(--learning_rate)`, synchronous
   data-parallel, one all-reduce of every gradient per step;
 - `diloco`: DiLoCo as tf_agn writes it, `AGN(Adam(--learning_rate),
-  local_steps=H, outer_optimizer=SGD(--outer_learning_rate, momentum=0.9,
-  nesterov=True), normalize=False)`, H = `--local_steps`;
+  local_steps=H, outer_optimizer=SGD(--outer_learning_rate,
+  momentum=--outer_momentum, nesterov=True), normalize=False)`, H = `--local_steps`;
 - `streaming`: `StreamingDiLoCo` with the same inner and outer optimizers,
   H, F = `--num_fragments` (split `--fragment_split`), τ = `--sync_delay`
   and `--compression` (int4);
@@ -166,6 +166,7 @@ flags.DEFINE_string(
     "accepts (int4, the paper's 4 bits; int8, fp16, bf16; none for float32).",
 )
 flags.DEFINE_float("outer_learning_rate", 0.7, "The outer Nesterov SGD's learning rate.")
+flags.DEFINE_float("outer_momentum", 0.9, "The outer SGD's Nesterov momentum (0: none).")
 flags.DEFINE_float(
     "target_loss", stdlib_text.TARGET_LOSS, "Held-out loss (nats per byte) sync must reach."
 )
@@ -210,7 +211,9 @@ def make_optimizer(method):
         aggregation = "none" if method == ALONE else None
         return tf_agn.optimizers.Adam(FLAGS.learning_rate, aggregation_method=aggregation)
     inner = keras.optimizers.Adam(FLAGS.learning_rate)
-    outer = keras.optimizers.SGD(FLAGS.outer_learning_rate, momentum=0.9, nesterov=True)
+    outer = keras.optimizers.SGD(
+        FLAGS.outer_learning_rate, momentum=FLAGS.outer_momentum, nesterov=FLAGS.outer_momentum > 0
+    )
     if method == "diloco":
         return tf_agn.optimizers.AGN(
             inner, local_steps=FLAGS.local_steps, outer_optimizer=outer, normalize=False
@@ -593,7 +596,7 @@ def worker_main():
         f"({strategy.num_replicas_in_sync} replicas); {FLAGS.mode} mode; H = "
         f"{FLAGS.local_steps}, F = {FLAGS.num_fragments}, τ = {FLAGS.sync_delay}, "
         f"compression {FLAGS.compression}; Adam {FLAGS.learning_rate:g}, outer Nesterov "
-        f"SGD {FLAGS.outer_learning_rate:g}; {FLAGS.batch_size} windows of "
+        f"SGD {FLAGS.outer_learning_rate:g} (momentum {FLAGS.outer_momentum:g}); {FLAGS.batch_size} windows of "
         f"{FLAGS.context} bytes per step; seed {FLAGS.seed}",
         flush=True,
     )
@@ -608,7 +611,7 @@ def worker_main():
         config = {name: FLAGS[name].value for name in (
             "mode", "num_workers", "local_steps", "num_fragments", "fragment_split", "sync_delay",
             "compression",
-            "learning_rate", "outer_learning_rate", "batch_size", "context", "d_model",
+            "learning_rate", "outer_learning_rate", "outer_momentum", "batch_size", "context", "d_model",
             "num_layers", "num_heads", "throughput_d_model", "throughput_num_layers",
             "eval_every", "max_steps", "target_loss", "heldout_windows", "throughput_steps",
             "warmup_steps", "repeats", "link_mbit", "seed",

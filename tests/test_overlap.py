@@ -51,14 +51,19 @@ def _carries_a_pack(op, transport):
     )
 
 
-@pytest.mark.parametrize("transport, compression", [
-    ("collective", None), ("collective", "fp16"), ("collective", "int8"),
-    ("local", None), ("local", "fp16"),
+@pytest.mark.parametrize("transport, compression, sharded", [
+    ("collective", None, False), ("collective", "fp16", False), ("collective", "int8", False),
+    ("local", None, False), ("local", "fp16", False),
+    ("collective", None, True), ("collective", "fp16", True), ("collective", "int8", True),
 ])
-def test_the_first_exchange_does_not_wait_for_the_first_layers_gradient(transport, compression):
+def test_the_first_exchange_does_not_wait_for_the_first_layers_gradient(
+    transport, compression, sharded
+):
     # Packs of at most 1 KiB: each of the six variables travels alone.
     graph = _train_step_graph(
-        transport, lambda: tf_agn.optimizers.SGD(0.1, compression=compression), 1024
+        transport,
+        lambda: tf_agn.optimizers.SGD(0.1, compression=compression, shard_optimizer_state=sharded),
+        1024,
     )
     exchanges = [op for op in graph.get_operations() if _carries_a_pack(op, transport)]
     assert exchanges

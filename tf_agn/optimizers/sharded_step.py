@@ -60,14 +60,8 @@ class ShardedStep(Step):
         wire_scale = self.wire_loss_scale()
         grads = loss_scaled(grads, wire_scale)
         combined = [None] * len(grads)
-        dense = []
-        for position, grad in enumerate(grads):
-            if isinstance(grad, tf.IndexedSlices):
-                combined[position] = self._part_of_sparse(
-                    grad, indices[position], rank, value_scale, when
-                )
-            else:
-                dense.append(position)
+        sparse = [p for p, grad in enumerate(grads) if isinstance(grad, tf.IndexedSlices)]
+        dense = [p for p in range(len(grads)) if p not in set(sparse)]
         rows = {p: state.rows(grads[p], indices[p]) for p in dense}
         # {pattern: [bytes, condition]}; the weights' all-gather is half an
         # all-reduce's volume.
@@ -76,7 +70,9 @@ class ShardedStep(Step):
             for i, v in zip(indices, variables)
         ), None]}
         new_residuals = {}
-        for pack in _packs(state, indices, dense):
+        # Backward order, as `tf_agn.collectives.packing.all_reduce_packs`
+        # launches packs: the last layers' gradients exist first.
+        for pack in reversed(_packs(state, indices, dense)):
             joined = tf.concat([rows[p] for p in pack], 1)
             residual = None
             if residuals[pack[0]] is not None:
@@ -89,6 +85,8 @@ class ShardedStep(Step):
                 combined[p] = part
             if error is not None:
                 new_residuals.update(zip(pack, tf.split(error, sizes, axis=1)))
+        for p in reversed(sparse):
+            combined[p] = self._part_of_sparse(grads[p], indices[p], rank, value_scale, when)
         for pattern, (nbytes, condition) in traffic.items():
             self.counter.record(pattern, nbytes, _both(when, condition))
         combined = clipped(optimizer, loss_scaled(combined, wire_scale, inverse=True), when, self.counter)
