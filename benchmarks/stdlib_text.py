@@ -214,6 +214,39 @@ def heldout_windows(text, context=CONTEXT, num_windows=HELDOUT_WINDOWS):
     return span[:, :-1], span[:, 1:]
 
 
+def training_batches(strategy, text, context, batch_size, seed):
+    """`train_dataset`'s batches for `strategy`'s replicas, `batch_size`
+    windows over all of them: worker w reads its share of every global
+    batch, and its replicas take turns at that share's batches."""
+
+    def dataset_fn(input_context):
+        return train_dataset(
+            text, context, input_context.get_per_replica_batch_size(batch_size), seed,
+            input_context.num_input_pipelines, input_context.input_pipeline_id,
+        )
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def heldout_batches(strategy, text, context, num_windows, batch_size=64):
+    """`heldout_windows`' windows for `strategy`'s replicas, at most
+    `batch_size` per replica at a time: worker w evaluates windows w,
+    w + num_workers, ... (as many as its replicas share evenly); Keras's
+    loss is their mean over all replicas."""
+    inputs, targets = heldout_windows(text, context, num_windows)
+
+    def dataset_fn(input_context):
+        share = slice(input_context.input_pipeline_id, None, input_context.num_input_pipelines)
+        replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+        per_replica = min(batch_size, len(inputs[share]) // replicas)
+        # Whole batches for every replica: Keras cannot sum an empty one.
+        kept = len(inputs[share]) // (per_replica * replicas) * per_replica * replicas
+        windows = tf.data.Dataset.from_tensor_slices((inputs[share][:kept], targets[share][:kept]))
+        return windows.batch(per_replica)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
 class PositionEmbedding(keras.layers.Layer):
     """Adds a learned vector per position to its `(batch, length, width)`
     inputs."""

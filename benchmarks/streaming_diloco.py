@@ -143,7 +143,6 @@ ALONE = "alone"
 QUALITY_METHODS = ("sync", "diloco", "streaming")
 THROUGHPUT_METHODS = (ALONE, *QUALITY_METHODS)
 MODES = ("quality", "throughput")
-HELDOUT_BATCH_SIZE = 64  # windows per worker per evaluation step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -167,6 +166,9 @@ flags.DEFINE_string(
 )
 flags.DEFINE_float("outer_learning_rate", 0.7, "The outer Nesterov SGD's learning rate.")
 flags.DEFINE_float("outer_momentum", 0.9, "The outer SGD's Nesterov momentum (0: none).")
+flags.DEFINE_float(
+    "fragment_update_alpha", 0.0, "α: the share of its local weights streaming keeps at a landing."
+)
 flags.DEFINE_float(
     "target_loss", stdlib_text.TARGET_LOSS, "Held-out loss (nats per byte) sync must reach."
 )
@@ -223,6 +225,7 @@ def make_optimizer(method):
         local_steps=FLAGS.local_steps,
         num_fragments=FLAGS.num_fragments,
         sync_delay=FLAGS.sync_delay,
+        fragment_update_alpha=FLAGS.fragment_update_alpha,
         fragment_split=FLAGS.fragment_split,
         outer_optimizer=outer,
         compression=streaming_compression(),
@@ -236,30 +239,6 @@ def build(strategy, method, d_model, num_layers):
     with strategy.scope():
         model = stdlib_text.byte_transformer(FLAGS.context, d_model, num_layers, FLAGS.num_heads)
         return stdlib_text.compile_for_bytes(model, make_optimizer(method))
-
-
-def training_batches(strategy, text):
-    """The endless training batches: worker w reads its share of every
-    global batch of `--batch_size` windows."""
-    return strategy.distribute_datasets_from_function(
-        lambda context: stdlib_text.train_dataset(
-            text, FLAGS.context, FLAGS.batch_size // context.num_input_pipelines, FLAGS.seed,
-            context.num_input_pipelines, context.input_pipeline_id,
-        )
-    )
-
-
-def heldout_batches(strategy, text):
-    """The `--heldout_windows` held-out windows: worker w evaluates windows
-    w, w + num_workers, ...; the loss is their mean over all workers."""
-    inputs, targets = stdlib_text.heldout_windows(text, FLAGS.context, FLAGS.heldout_windows)
-
-    def dataset_fn(context):
-        share = slice(context.input_pipeline_id, None, context.num_input_pipelines)
-        windows = tf.data.Dataset.from_tensor_slices((inputs[share], targets[share]))
-        return windows.batch(HELDOUT_BATCH_SIZE)
-
-    return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def bytes_sent(model):
@@ -364,8 +343,12 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
 def run_quality(strategy, verdicts, say):
     """Quality mode: the curves, the comparison at sync's step, verdicts
     (a) to (c). Returns the results to save."""
-    training = training_batches(strategy, stdlib_text.load_split("train"))
-    heldout = heldout_batches(strategy, stdlib_text.load_split("heldout"))
+    training = stdlib_text.training_batches(
+        strategy, stdlib_text.load_split("train"), FLAGS.context, FLAGS.batch_size, FLAGS.seed
+    )
+    heldout = stdlib_text.heldout_batches(
+        strategy, stdlib_text.load_split("heldout"), FLAGS.context, FLAGS.heldout_windows
+    )
     curves = {}
     start = time.perf_counter()
     curves["sync"] = train_curve(
@@ -468,7 +451,9 @@ def run_throughput(strategy, verdicts, say):
     """Throughput mode: steps/s of every method in rotating rounds, the
     share of loopback bytes that went through the links, verdicts (d)
     and (e). Returns the results to save."""
-    training = training_batches(strategy, stdlib_text.load_split("train"))
+    training = stdlib_text.training_batches(
+        strategy, stdlib_text.load_split("train"), FLAGS.context, FLAGS.batch_size, FLAGS.seed
+    )
     models = {}
     for method in THROUGHPUT_METHODS:
         start = time.perf_counter()
@@ -611,7 +596,8 @@ def worker_main():
         config = {name: FLAGS[name].value for name in (
             "mode", "num_workers", "local_steps", "num_fragments", "fragment_split", "sync_delay",
             "compression",
-            "learning_rate", "outer_learning_rate", "outer_momentum", "batch_size", "context", "d_model",
+            "learning_rate", "outer_learning_rate", "outer_momentum", "fragment_update_alpha",
+            "batch_size", "context", "d_model",
             "num_layers", "num_heads", "throughput_d_model", "throughput_num_layers",
             "eval_every", "max_steps", "target_loss", "heldout_windows", "throughput_steps",
             "warmup_steps", "repeats", "link_mbit", "seed",

@@ -16,7 +16,7 @@ from tf_agn.strategies.multi_worker import multi_worker_mirrored
 flags.disclaim_key_flags()
 
 
-COMPRESSIONS = ["none", "fp16", "bf16", "int8", "powersgd"]
+COMPRESSIONS = ["none", "fp16", "bf16", "int8", "int4", "powersgd"]
 
 
 def define_flags(flag_values=flags.FLAGS):
@@ -65,7 +65,7 @@ def define_flags(flag_values=flags.FLAGS):
         "none",
         COMPRESSIONS,
         "How tf_agn's optimizers send gradients (see tf_agn.compression); "
-        "int8 and powersgd keep error feedback.",
+        "int8, int4 and powersgd keep error feedback.",
         flag_values=flag_values,
     )
     _define(
