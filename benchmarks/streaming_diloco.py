@@ -90,7 +90,7 @@ Usage (the second as root; choose `--link_mbit` so that (e) passes):
 
     python benchmarks/streaming_diloco.py --out=benchmarks/results/streaming_diloco_quality
     unshare --net sh -c 'ip link set lo up && python benchmarks/streaming_diloco.py \
-        --mode=throughput --link_mbit=30 --out=benchmarks/results/streaming_diloco_throughput'
+        --mode=throughput --link_mbit=20 --out=benchmarks/results/streaming_diloco_throughput'
 """
 
 import contextlib
