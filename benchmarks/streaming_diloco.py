@@ -44,7 +44,8 @@ b. `streaming` sends at least `MIN_BYTES_REDUCTION` (100) times fewer bytes
    than `sync`;
 c. `streaming`'s peak bytes in one step at most 1/F of `diloco`'s,
    compared without quantization (with `--compression`, `streaming`'s
-   float32 figure is its largest fragment's size, computed).
+   float32 figure is its largest slice's size, computed: a fragment's
+   exchange travels in τ slices, one a step).
 
 `--mode=throughput`, with `--link_mbit`: each worker sends through a link
 of that many Mbit/s (`shaped_link.py`; root and 2 workers). Every method
@@ -131,6 +132,7 @@ import stdlib_text  # noqa: E402  (the task, and its model and data flags)
 import tf_agn  # noqa: E402
 from tf_agn.optimizers.streaming_diloco import FRAGMENT_SPLITS  # noqa: E402
 from tf_agn.optimizers.streaming_diloco import fragments_by_layer  # noqa: E402
+from tf_agn.optimizers.streaming_diloco import slices_by_size  # noqa: E402
 from tf_agn.strategies import launch  # noqa: E402
 
 # Targets.
@@ -159,7 +161,9 @@ flags.DEFINE_enum(
     "How streaming splits its layers into fragments (see StreamingDiLoCo).",
 )
 flags.DEFINE_integer(
-    "sync_delay", 1, "τ: steps from a streaming fragment's exchange to its landing (0 <= τ < H/F)."
+    "sync_delay", 2,
+    "τ: steps from taking a streaming fragment's Δ to its landing, its exchange in τ slices "
+    "(0 <= τ < H/F).",
 )
 flags.DEFINE_string(
     "compression", "int4",
@@ -310,8 +314,9 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
     Returns:
         A dict: `steps`, `heldout_loss`, `train_loss` and `seconds`
         (training time so far, evaluations left out) at each evaluation;
-        `bytes_sent` and `peak_step_bytes`; `fragment_bytes`, the float32
-        bytes of each of streaming's fragments (empty for the others).
+        `bytes_sent` and `peak_step_bytes`; `slice_bytes`, the float32
+        bytes of each slice of each of streaming's fragments, one list a
+        fragment (empty for the others).
     """
     model = build(strategy, method, FLAGS.d_model, FLAGS.num_layers)
     clock, peak = TrainingClock(), PeakStepBytes()
@@ -330,9 +335,12 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
         verbose=0,
     )
     variables = model.trainable_variables
-    fragments = []
+    slices = []
     if method == "streaming":
-        fragments = fragments_by_layer(variables, FLAGS.num_fragments, FLAGS.fragment_split)
+        slices = [
+            slices_by_size(fragment, variables, FLAGS.sync_delay)
+            for fragment in fragments_by_layer(variables, FLAGS.num_fragments, FLAGS.fragment_split)
+        ]
     return {
         "steps": [(i + 1) * FLAGS.eval_every for i in range(len(history.history["loss"]))],
         "heldout_loss": history.history["val_loss"],
@@ -340,7 +348,10 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
         "seconds": clock.seconds,
         "bytes_sent": bytes_sent(model),
         "peak_step_bytes": peak.peak,
-        "fragment_bytes": [sum(4 * int(np.prod(variables[i].shape)) for i in f) for f in fragments],
+        "slice_bytes": [
+            [sum(4 * int(np.prod(variables[i].shape)) for i in part) for part in fragment]
+            for fragment in slices
+        ],
         "parameters": model.count_params(),
     }
 
@@ -395,8 +406,8 @@ def run_quality(strategy, verdicts, say):
         )
     streaming, diloco = curves["streaming"], curves["diloco"]
     say(
-        f"  streaming's fragments, float32 bytes: "
-        f"{', '.join(f'{b:,}' for b in streaming['fragment_bytes'])} "
+        f"  streaming's fragments' slices, float32 bytes: "
+        f"{'; '.join(' + '.join(f'{b:,}' for b in parts) for parts in streaming['slice_bytes'])} "
         f"(H = {FLAGS.local_steps}, F = {FLAGS.num_fragments} {FLAGS.fragment_split}, "
         f"τ = {FLAGS.sync_delay}, "
         f"compression {FLAGS.compression})"
@@ -414,9 +425,12 @@ def run_quality(strategy, verdicts, say):
         f"(b) streaming sends {fewer:.1f}x fewer bytes than sync "
         f"(target >= {MIN_BYTES_REDUCTION:g}x).",
     )
-    # Measured where the exchanges are float32; else the largest fragment's
+    # Measured where the exchanges are float32; else the largest slice's
     # float32 size, which is what the count would be uncompressed.
-    peak = max(streaming["fragment_bytes"]) if streaming_compression() else streaming["peak_step_bytes"]
+    if streaming_compression():
+        peak = max(b for parts in streaming["slice_bytes"] for b in parts)
+    else:
+        peak = streaming["peak_step_bytes"]
     share = peak / diloco["peak_step_bytes"]
     verdicts.add_line(
         3, share <= 1 / FLAGS.num_fragments,

@@ -20,11 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_OVERHEAD = os.path.join(ROOT, "benchmarks", "step_overhead.py")
 COMPRESSION = os.path.join(ROOT, "benchmarks", "compression.py")
 STREAMING_DILOCO = os.path.join(ROOT, "benchmarks", "streaming_diloco.py")
-# A 12,016-parameter model, windows of 8 steps in 4 fragments, 8 windows of
-# 16 bytes a step: start-up and tracing are most of a run.
+# A 12,016-parameter model, windows of 8 steps in 2 fragments, each
+# exchanged in 2 slices, 8 windows of 16 bytes a step: start-up and tracing
+# are most of a run.
 TINY_STREAMING_DILOCO = (
-    "--context=16", "--batch_size=8", "--local_steps=8", "--num_fragments=4",
-    "--sync_delay=1", "--compression=none",
+    "--context=16", "--batch_size=8", "--local_steps=8", "--num_fragments=2",
+    "--sync_delay=2", "--compression=none",
 )
 
 
@@ -158,17 +159,19 @@ def test_streaming_diloco_quality_runs_and_reports(tmp_path):
     sent, peak = (
         {name: _numbers(match.group(i))[0] for name, match in rows.items()} for i in (1, 2)
     )
-    listed = re.search(r"^  streaming's fragments, float32 bytes: (.*) \(H", out, re.M)
-    fragments = _numbers(listed.group(1))
-    # Measured by the optimizers' counts against the fragments' sizes: one
-    # window sends every weight once, float32, one fragment a step.
-    assert len(fragments) == 4 and sum(fragments) == 4 * 12_016, fragments
-    assert sent["diloco"] == sent["streaming"] == peak["diloco"] == sum(fragments), out
-    assert peak["streaming"] == max(fragments), out
+    listed = re.search(r"^  streaming's fragments' slices, float32 bytes: (.*) \(H", out, re.M)
+    slices = [_numbers(fragment) for fragment in listed.group(1).split(";")]
+    # Measured by the optimizers' counts against the slices' sizes: one
+    # window sends every weight once, float32, one slice a step.
+    assert [len(parts) for parts in slices] == [2, 2], slices
+    total = sum(map(sum, slices))
+    assert total == 4 * 12_016, slices
+    assert sent["diloco"] == sent["streaming"] == peak["diloco"] == total, out
+    assert peak["streaming"] == max(map(max, slices)), out
     assert sent["sync"] == 8 * peak["sync"], out
     for letter in "abc":
         assert re.search(rf"^  (PASS|FAIL): \({letter}\) ", out, re.M), (letter, out)
-    share = max(fragments) / sum(fragments)
+    share = max(map(max, slices)) / total
     assert f"float32, are {share:.3f} of diloco's" in out, out
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved["quality"]["target_step"] == 8

@@ -131,11 +131,10 @@ def test_core_cell(cell, tmp_path):
 
 # The whole array takes about 40 minutes on 2 cores: Keras alone traces an
 # EfficientNetB0 training step for about 30 s, on one device as on two, and
-# a cell traces up to four. CI's slow tier runs CI_CELLS (BatchNorm resumed
-# on another replica count; sharded, mixed precision and a .keras file);
-# the rest run with -m zoo_array.
+# a cell traces up to four. CI's slow tier runs CI_CELLS (BatchNorm under
+# sharded state, mixed precision and a .keras file; BatchNorm resumed on
+# another replica count is test_restarts'); the rest run with -m zoo_array.
 CI_CELLS = {
-    "mobilenet-adamw-drop_in-aggregation=only_first_replica-compression=fp16-checkpoint=backup",
     "mobilenet-lion-distributed-aggregation=sum-shard-compression=fp16-steps_per_execution=2"
     "-checkpoint=keras-policy=mixed_float16",
 }

@@ -654,7 +654,8 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_
 @pytest.mark.slow
 def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path):
     # Backups every 2 steps: the last before the kill, after step 8, holds
-    # the first fragment's Δ sent in step 8, landing after step 9.
+    # the first fragment's Δ, taken after step 7 and landing after step 9:
+    # its first slice combined in step 8, its second each worker's own.
     code, output = _launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
         [sys.executable, WORKER_SCRIPT, str(tmp_path), "--optimizer=streaming_diloco",

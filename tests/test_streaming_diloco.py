@@ -18,6 +18,7 @@ from test_restarts import Interrupt
 from tf_agn.optimizers import AGN
 from tf_agn.optimizers import StreamingDiLoCo
 from tf_agn.optimizers.streaming_diloco import fragments_by_layer
+from tf_agn.optimizers.streaming_diloco import slices_by_size
 
 # A tanh MLP of 4 layers: 3 -> 4 -> 4 -> 3 -> 2, the last one linear.
 WIDTHS = [3, 4, 4, 3, 2]
@@ -244,17 +245,18 @@ def test_one_fragment_without_delay_is_agn_with_an_undivided_commit_bitwise():
     assert not np.array_equal(streaming[-1][1][0], initial_weights()[0])
 
 
-def test_an_exchange_depends_on_nothing_its_step_computes():
-    # In the traced step, the conditional exchanges of the two fragments
-    # (created first) have no forward or backward op among their inputs,
-    # so the all-reduce can run beside them; the landings come after.
+@pytest.mark.parametrize("sync_delay", [1, 2])
+def test_an_exchange_depends_on_nothing_its_step_computes(sync_delay):
+    # In the traced step, the conditional exchanges of the two fragments'
+    # τ slices (created first) have no forward or backward op among their
+    # inputs, so the all-reduce can run beside them; the landings come after.
     strategy = tf_agn.strategies.mirrored(DEVICES[:2])
     with strategy.scope():
         model = keras.Sequential(
             [keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)]
         )
         optimizer = StreamingDiLoCo(
-            keras.optimizers.SGD(0.1), local_steps=4, num_fragments=2, sync_delay=1
+            keras.optimizers.SGD(0.1), local_steps=6, num_fragments=2, sync_delay=sync_delay
         )
         optimizer.build(model.trainable_variables)
     x, y = (tf.constant(a) for a in mlp_data(1))
@@ -274,9 +276,10 @@ def test_an_exchange_depends_on_nothing_its_step_computes():
         [o.name for o in ancestors(op) if o.type in ("MatMul", "Tanh", "TanhGrad")]
         for op in conditionals
     ]
-    assert len(computes) == 4
-    assert computes[:2] == [[], []]
-    assert all(computes[2:])
+    sends = 2 * sync_delay
+    assert len(computes) == sends + 2
+    assert computes[:sends] == [[]] * sends
+    assert all(computes[sends:])
 
 
 def ancestors(op):
@@ -318,6 +321,54 @@ def test_exchanges_and_bytes_are_one_fragment_at_a_time():
     stats = model.optimizer.communication_stats()
     assert stats["all_reduce_calls"] == 4
     assert stats["bytes_sent"] == 2 * 4 * sum(fragment_sizes)
+
+
+class StepBytes(keras.callbacks.Callback):
+    """The bytes sent in each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_step, self._sent = [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        sent = self.model.optimizer.communication_stats()["bytes_sent"]
+        self.per_step.append(sent - self._sent)
+        self._sent = sent
+
+
+def test_a_delayed_exchange_travels_in_sync_delay_slices_one_a_step():
+    # H = 6, F = 2, τ = 2. Fragment 0 (variables of 12, 4, 12 and 3 values)
+    # lands after step 3, fragment 1 (16, 4, 6, 2) after step 6. Its Δ,
+    # taken after step 1 (4), is combined in two slices of even bytes: in
+    # step 2 (5) and step 3 (6).
+    model = build_model(
+        lambda: StreamingDiLoCo(
+            keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
+        )
+    )
+    step_bytes = StepBytes()
+    model.fit(*mlp_data(12), batch_size=BATCH, shuffle=False, verbose=0, callbacks=[step_bytes])
+    variables = model.trainable_variables
+    fragments = fragments_by_layer(variables, 2, "balanced")
+    assert [slices_by_size(f, variables, 2) for f in fragments] == [
+        [[0, 1], [4, 5]], [[2], [3, 6, 7]]
+    ]
+    window = [0, 4 * (12 + 4), 4 * (12 + 3), 0, 4 * 16, 4 * (4 + 6 + 2)]
+    assert step_bytes.per_step == window * 2
+    assert model.optimizer.communication_stats()["all_reduce_calls"] == 8
+
+
+def test_slices_split_a_fragment_into_whole_variables_of_even_bytes():
+    model = transformer_ish()
+    variables = model.trainable_variables
+    sizes = [4 * int(np.prod(v.shape)) for v in variables]
+    fragment = list(range(len(variables)))
+    slices = slices_by_size(fragment, variables, 3)
+    assert sorted(i for s in slices for i in s) == fragment
+    loads = [sum(sizes[i] for i in s) for s in slices]
+    assert max(loads) <= sum(sizes) / 3 + (1 - 1 / 3) * max(sizes)
+    # Fewer variables than slices: the last ones are empty.
+    assert slices_by_size([2, 5], variables, 3) == [[2], [5], []]
 
 
 def transformer_ish():
@@ -399,7 +450,9 @@ def test_a_keras_file_keeps_the_exchange_in_flight(tmp_path):
     "first, then, sync_delay, backup_step",
     [
         # H = 6, F = 2, τ = 2: the backup after step 5 holds the second
-        # fragment's Δ, sent in step 5, landing after step 6.
+        # fragment's Δ, taken after step 4, landing after step 6: its first
+        # slice combined, its second each replica's own (every new replica
+        # takes the old replicas' mean).
         (4, 2, 2, 5),
         (2, 4, 2, 5),
         # τ = 0, mid-window: the first fragment landed after step 3.

@@ -33,19 +33,22 @@ class StreamingDiLoCo(WindowedOptimizer):
       (`fragments_by_layer`).
     - Schedule (torchft's): fragment p lands after local step k with
       k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
-      weights after step k − τ; with τ ≥ 1 it is combined across replicas
-      in the graph of step k − τ + 1, beside that step's forward and
-      backward pass (with τ = 0, after step k).
+      weights after step k − τ. With τ ≥ 1 its variables are split into
+      τ slices of even bytes (`slices_by_size`), and slice j is combined
+      across replicas in the graph of step k − τ + 1 + j, beside that
+      step's forward and backward pass: a step sends one slice at most
+      (with τ = 0, the fragment after step k).
     - Landing: the outer optimizer steps θ_c,p with gradient −Δ_p (Δ_p not
       divided by H), then θ_p ← α·θ_p + (1 − α)·θ_c,p, α being
       `fragment_update_alpha`. The outer optimizer's `iterations` grows
       once a window, so each fragment's n-th step sees n − 1.
 
     With F = 1 and τ = 0 it is DiLoCo, `AGN(optimizer, local_steps=H,
-    outer_optimizer=..., normalize=False)`. The combined Δ in flight are
-    optimizer variables: saving and `tf_agn.callbacks.BackupAndRestore`
-    keep them; on another number of replicas a backup resumes at its step
-    from the centers (`tf_agn.resuming.resizing`). Unlike AGN, `fit` commits nothing
+    outer_optimizer=..., normalize=False)`. The Δ in flight are optimizer
+    variables: saving and `tf_agn.callbacks.BackupAndRestore` keep them; on
+    another number of replicas a backup resumes at its step from the
+    centers, a slice not yet combined taking the old replicas' mean Δ
+    (`tf_agn.resuming.resizing`). Unlike AGN, `fit` commits nothing
     at its end: the replicas keep their weights and the next `fit`
     continues the schedule (`tf_agn.callbacks.EvaluateAtCenter` evaluates
     the centers).
@@ -135,9 +138,13 @@ class StreamingDiLoCo(WindowedOptimizer):
         if self.built:
             return
         self._fragments = fragments_by_layer(var_list, self.num_fragments, self.fragment_split)
+        self._slices = [
+            slices_by_size(fragment, var_list, self.sync_delay) for fragment in self._fragments
+        ]
         super().build(var_list)
-        # The combined Δ between the step that sends them and the one they
-        # land in; with τ = 0 they land where they are combined.
+        # Each replica's own Δ from the step that takes it to the step that
+        # combines its slice, then the combined Δ until they land; with
+        # τ = 0 they land where they are combined.
         self._outer_gradients = [
             self.add_variable_from_reference(v, name="outer_gradient")
             for v in (var_list if self.sync_delay else ())
@@ -155,10 +162,17 @@ class StreamingDiLoCo(WindowedOptimizer):
         if self.sync_delay:
             # Before the local step: the exchange reads the weights of the
             # step before and depends on nothing this step computes.
-            in_cross_replica_context(
-                functools.partial(self._for_each_due_fragment, self._send, self.sync_delay)
-            )
+            in_cross_replica_context(self._send_due_slices)
         super().apply(grads, trainable_variables)
+
+    def replica_state_variables(self):
+        return super().replica_state_variables() + self._outer_gradients
+
+    def _send_due_slices(self, strategy):
+        for part in range(self.sync_delay):
+            self._for_each_due_fragment(
+                functools.partial(self._send, part=part), self.sync_delay - part, strategy
+            )
 
     def _commit_if_window_ends(self, strategy):
         self._for_each_due_fragment(self._land, 0, strategy)
@@ -180,16 +194,19 @@ class StreamingDiLoCo(WindowedOptimizer):
                 lambda: None,
             )
 
-    def _fragment(self, fragment):
-        """The built positions of `fragment`'s variables that are stepped."""
+    def _stepped(self, indices):
+        """Those of the built positions `indices` whose variables are stepped."""
         applied = self._applied or range(len(self._centers))
-        return [i for i in self._fragments[fragment] if i in applied]
+        return [i for i in indices if i in applied]
 
-    def _combined_deltas(self, indices):
-        """The replicas' combined Δ of the variables at `indices`."""
+    def _local_deltas(self, indices):
         built = _compat.built_variables(self)
+        return [self.commit_delta(built[i], self._centers[i]) for i in indices]
+
+    def _combined(self, indices, deltas):
+        """The replicas' combined `deltas` of the variables at `indices`."""
         return aggregate(
-            [self.commit_delta(built[i], self._centers[i]) for i in indices],
+            deltas,
             self.aggregation,
             compressor=self.compressor,
             state=[self._compression_state[i] for i in indices],
@@ -197,20 +214,30 @@ class StreamingDiLoCo(WindowedOptimizer):
             counter=self._communication,
         )
 
-    def _send(self, fragment):
-        """Combines `fragment`'s Δ into its outer gradients, in replica context."""
-        indices = self._fragment(fragment)
-        for i, combined in zip(indices, self._combined_deltas(indices)):
+    def _send(self, fragment, part):
+        """Combines slice `part` of `fragment`'s Δ into its outer gradients,
+        in replica context; slice 0 also takes the local Δ of the others."""
+        slices = [self._stepped(indices) for indices in self._slices[fragment]]
+        if part == 0:
+            later = [i for indices in slices[1:] for i in indices]
+            for i, delta in zip(later, self._local_deltas(later)):
+                self._outer_gradients[i].assign(delta)
+            deltas = self._local_deltas(slices[0])
+        else:
+            deltas = [self._outer_gradients[i].value for i in slices[part]]
+        if not slices[part]:  # a fragment of fewer than τ variables
+            return
+        for i, combined in zip(slices[part], self._combined(slices[part], deltas)):
             self._outer_gradients[i].assign(combined)
 
     def _land(self, fragment):
         """Steps `fragment`'s centers and mixes them into the weights, in
         replica context."""
-        indices = self._fragment(fragment)
+        indices = self._stepped(self._fragments[fragment])
         if self.sync_delay:
             combined = [self._outer_gradients[i].value for i in indices]
         else:
-            combined = self._combined_deltas(indices)
+            combined = self._combined(indices, self._local_deltas(indices))
         centers = [self._centers[i] for i in indices]
         _compat.update_step_in_place(
             self.outer_optimizer,
@@ -280,26 +307,49 @@ def fragments_by_layer(variables, num_fragments, split):
     if split == "strided":
         fragment_of_layer = {layer: j % num_fragments for j, layer in enumerate(layers)}
     else:
-        fragment_of_layer = _balanced(layers, variables, num_fragments)
+        size = dict.fromkeys(layers, 0)
+        for v in variables:
+            size[_layer_of(v)] += _bytes(v)
+        fragment_of_layer = {
+            layer: f
+            for f, members in enumerate(_balanced(size, num_fragments))
+            for layer in members
+        }
     return [
         [i for i, v in enumerate(variables) if fragment_of_layer[_layer_of(v)] == fragment]
         for fragment in range(num_fragments)
     ]
 
 
-def _balanced(layers, variables, num_fragments):
-    """{layer: its fragment} of the "balanced" split of `layers`."""
-    size = dict.fromkeys(layers, 0)
-    for v in variables:
-        size[_layer_of(v)] += tf.as_dtype(v.dtype).size * int(np.prod(v.shape))
-    fragments = [[] for _ in range(num_fragments)]
-    loads = [0] * num_fragments
-    for layer in sorted(layers, key=lambda layer: -size[layer]):  # stable: model order
-        lightest = min(range(num_fragments), key=lambda f: (loads[f], len(fragments[f]), f))
-        fragments[lightest].append(layer)
-        loads[lightest] += size[layer]
-    by_first_layer = sorted(fragments, key=lambda members: min(map(layers.index, members)))
-    return {layer: f for f, members in enumerate(by_first_layer) for layer in members}
+def slices_by_size(indices, variables, num_slices):
+    """The positions `indices` in `variables` (a fragment's) split into
+    `num_slices` (at least 1) slices of whole variables and even bytes, as
+    the "balanced" split of `fragments_by_layer` splits layers; a slice is
+    empty if there are fewer variables than slices."""
+    return _balanced({i: _bytes(variables[i]) for i in indices}, max(num_slices, 1))
+
+
+def _balanced(sizes, num_groups):
+    """`sizes`' keys (in their order) split into `num_groups` lists of even
+    total size: largest first (ties in order), each to the group with the
+    smallest total so far (ties: fewer members, then the lower number);
+    the groups numbered in the order of their first members, empty ones
+    last."""
+    order = list(sizes)
+    groups = [[] for _ in range(num_groups)]
+    loads = [0] * num_groups
+    for key in sorted(order, key=lambda key: -sizes[key]):  # stable: in order
+        lightest = min(range(num_groups), key=lambda g: (loads[g], len(groups[g]), g))
+        groups[lightest].append(key)
+        loads[lightest] += sizes[key]
+    return sorted(
+        (sorted(members, key=order.index) for members in groups),
+        key=lambda members: order.index(members[0]) if members else len(order),
+    )
+
+
+def _bytes(variable):
+    return tf.as_dtype(variable.dtype).size * int(np.prod(variable.shape))
 
 
 def _layer_of(variable):

@@ -219,6 +219,12 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
             )
         self._swap_function()
 
+    def replica_state_variables(self):
+        """The optimizer variables each replica holds its own value of
+        between commits: the inner optimizer's. A backup resumed on another
+        number of replicas gives every replica their old mean."""
+        return list(self.inner_optimizer.variables)
+
     def resume_from_centers(self):
         """Steps back to the start of the window: called where a resume on
         another replica count replaced the weights with the centers, which

@@ -16,8 +16,8 @@ count goes back to that window's end, and its inner optimizer's state is
 the old replicas' mean. The local steps taken since are not committed and
 are dropped. Streaming DiLoCo resumes at the backup's step instead, every
 replica from the centers, each fragment's last landing; a Δ in flight lands
-when due, and the local steps since each fragment's last landing are
-dropped. Trainable weights that differ between replicas (aggregation NONE)
+when due (a slice not yet combined takes the old replicas' mean Δ), and the
+local steps since each fragment's last landing are dropped. Trainable weights that differ between replicas (aggregation NONE)
 are refused by name.
 """
 
@@ -107,7 +107,7 @@ def restore(model, task_arrays, pointer, num_replicas):
         shapes = saving.saved_shapes(optimizer)
         within = saving.aggregating_within(optimizer)
         summed = {id(v) for found in within for v in found.summed_variables()}
-        averaged = {id(v) for v in optimizer.inner_optimizer.variables} if windowed else set()
+        averaged = {id(v) for v in optimizer.replica_state_variables()} if windowed else set()
         owed = {}
         for found in within + ([optimizer] if windowed else []):
             owed.update(_owed_values(found, lambda v: copies(position[id(v)]), num_replicas))
@@ -142,7 +142,7 @@ def metric_values(model, task_arrays, pointer, num_replicas):
     values = []
     for index, variable in enumerate(model.metrics_variables):
         copies = replicas_copies(task_arrays, old_replicas, "metrics", index)
-        if all(np.array_equal(c, copies[0]) for c in copies) and not _is_float(copies[0]):
+        if _all_equal(copies) and not _is_float(copies[0]):
             values.append(copies[0])
         elif _is_float(copies[0]):
             values.append(_share(np.sum(copies, axis=0), num_replicas))
@@ -160,7 +160,7 @@ def _resized(copies, shape, num_replicas, path, sharded, summed, averaged):
         return np.concatenate([np.ravel(c) for c in copies])[:size].reshape(shape)
     if summed:
         return _share(np.sum(copies, axis=0), num_replicas)
-    if averaged and _is_float(copies[0]):
+    if averaged and _is_float(copies[0]) and not _all_equal(copies):
         return _share(np.sum(copies, axis=0), len(copies))
     return _alike(copies, path)
 
@@ -190,9 +190,13 @@ def owed_by(compressor, state):
     return np.asarray(compressor.residual({k: tf.convert_to_tensor(v) for k, v in state.items()}))
 
 
+def _all_equal(copies):
+    return all(np.array_equal(c, copies[0]) for c in copies[1:])
+
+
 def _alike(copies, path):
     """The one value of `copies`, which every replica held alike."""
-    if any(not np.array_equal(c, copies[0]) for c in copies[1:]):
+    if not _all_equal(copies):
         raise ValueError(
             f"The replicas' copies of {path} differ in the backup "
             "(aggregation NONE?): it resumes only on the number of replicas "
