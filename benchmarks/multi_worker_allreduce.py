@@ -58,6 +58,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -143,6 +144,32 @@ def bytes_per_call(timed, sync, calls):
         timed().numpy()
     sync().numpy()
     return (loopback_bytes_sent() - start) / calls
+
+
+class CallTimer(keras.callbacks.Callback):
+    """Times a one-epoch `fit` call's steps after its first, until its last
+    loss is read: `seconds`.
+
+    A call's first step also starts the input pipeline and, where workers
+    exchange, waits for the others to arrive.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            float(logs["loss"])  # waits for the step
+            self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        float(logs["loss"])  # waits for the last step
+        self.seconds = time.perf_counter() - self.start
+
+
+def fit_steps(model, dataset, steps, callbacks=()):
+    """One `fit` call of `steps` steps of `dataset`, silent."""
+    model.fit(
+        dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+        callbacks=list(callbacks),
+    )
 
 
 def run_set(set_name, strategy, candidates, verdicts, is_chief):
@@ -250,8 +277,6 @@ def worker_main():
         FP16: our_ops(strategy, compression="fp16"),
     }
     if is_chief:
-        import keras
-
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(
             f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}"

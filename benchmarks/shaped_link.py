@@ -145,6 +145,23 @@ def shaped_bytes():
     return sum(b for classid, b in sent.items() if classid != f"{HANDLE}:1")
 
 
+def pin_to_own_core():
+    """In a worker process (with `TF_CONFIG`), pins it to one core, the task
+    index-th of those it may use; returns the core (None elsewhere).
+
+    TensorFlow sizes its thread pools from the cores the process may use,
+    and a thread keeps the affinity it started with: call it before
+    importing TensorFlow.
+    """
+    if "TF_CONFIG" not in os.environ:
+        return None
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def remove():
     """Deletes our root qdisc (and its classes) if it is there."""
     if shutil.which("tc") is not None and _ours_installed():

@@ -105,19 +105,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _pin_to_own_core():
-    """Pins this worker process to one core, the task index-th of those it
-    may use; returns the core."""
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[index % len(cores)]
-    os.sched_setaffinity(0, {core})
-    return core
+import shaped_link  # noqa: E402  (before TensorFlow: pins this worker to its core)
 
-
-# TensorFlow sizes its thread pools from the cores the process may use, and
-# a thread keeps the affinity it started with: pin before importing it.
-PINNED_CORE = _pin_to_own_core() if "TF_CONFIG" in os.environ else None
+PINNED_CORE = shaped_link.pin_to_own_core()
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -127,7 +117,6 @@ import tensorflow as tf  # noqa: E402
 
 import allreduce  # noqa: E402  (benchmarks/allreduce.py: rounds, verdicts)
 import multi_worker_allreduce  # noqa: E402  (its flags, byte counter and sync)
-import shaped_link  # noqa: E402
 import stdlib_text  # noqa: E402  (the task, and its model and data flags)
 import tf_agn  # noqa: E402
 from tf_agn.optimizers.streaming_diloco import FRAGMENT_SPLITS  # noqa: E402
@@ -349,7 +338,7 @@ def train_curve(strategy, method, training, heldout, steps, stop_at=None):
         "bytes_sent": bytes_sent(model),
         "peak_step_bytes": peak.peak,
         "slice_bytes": [
-            [sum(4 * int(np.prod(variables[i].shape)) for i in part) for part in fragment]
+            [sum(4 * piece.num_elements(variables[piece.index]) for piece in part) for part in fragment]
             for fragment in slices
         ],
         "parameters": model.count_params(),
@@ -440,32 +429,6 @@ def run_quality(strategy, verdicts, say):
     return {"target_step": step, "sync_reached_target": reached, "curves": curves}
 
 
-class CallTimer(keras.callbacks.Callback):
-    """Times a one-epoch `fit` call's steps after its first, until its last
-    loss is read.
-
-    A call's first step also starts the input pipeline and, where workers
-    exchange, waits for the others to arrive; with H/F >= 2 it carries no
-    exchange, so leaving it out drops one local step per call.
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 0:
-            float(logs["loss"])  # waits for the step
-            self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        float(logs["loss"])  # waits for the last step
-        self.seconds = time.perf_counter() - self.start
-
-
-def fit_steps(model, dataset, steps, callbacks=()):
-    model.fit(
-        dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
-        callbacks=list(callbacks),
-    )
-
-
 def run_throughput(strategy, verdicts, say):
     """Throughput mode: steps/s of every method in rotating rounds, the
     share of loopback bytes that went through the links, verdicts (d)
@@ -479,14 +442,14 @@ def run_throughput(strategy, verdicts, say):
         models[method] = build(
             strategy, method, FLAGS.throughput_d_model, FLAGS.throughput_num_layers
         )
-        fit_steps(models[method], training, FLAGS.warmup_steps)
+        multi_worker_allreduce.fit_steps(models[method], training, FLAGS.warmup_steps)
         say(f"  {method}: built, traced and warmed up in {time.perf_counter() - start:.1f} s")
     seconds = {method: [] for method in THROUGHPUT_METHODS}
 
     def timed(method):
         def run():
-            timer = CallTimer()
-            fit_steps(models[method], training, FLAGS.throughput_steps, [timer])
+            timer = multi_worker_allreduce.CallTimer()
+            multi_worker_allreduce.fit_steps(models[method], training, FLAGS.throughput_steps, [timer])
             seconds[method].append(timer.seconds / (FLAGS.throughput_steps - 1))
 
         return run

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_OVERHEAD = os.path.join(ROOT, "benchmarks", "step_overhead.py")
 COMPRESSION = os.path.join(ROOT, "benchmarks", "compression.py")
 STREAMING_DILOCO = os.path.join(ROOT, "benchmarks", "streaming_diloco.py")
+OVERLAP = os.path.join(ROOT, "benchmarks", "overlap.py")
 # A 12,016-parameter model, windows of 8 steps in 2 fragments, each
 # exchanged in 2 slices, 8 windows of 16 bytes a step: start-up and tracing
 # are most of a run.
@@ -234,3 +235,29 @@ def test_streaming_diloco_throughput_runs_on_shaped_links_and_reports():
         r"^  (PASS|FAIL): \(check\) (\d+\.\d\d)% of the bytes sent went through", out, re.M
     )
     assert share and float(share.group(2)) > 50, out
+
+
+@pytest.mark.slow
+def test_overlap_runs_and_reports(tmp_path):
+    # Tiny models on full-speed loopback, 1 round of 2 steps: start-up and
+    # tracing six candidates per model are most of it.
+    result = run_python(
+        OVERLAP, "--models=mlp,lm", "--link_mbit=0", "--mlp_units=32,32", "--mlp_batch_size=8",
+        "--lm_d_model=16", "--lm_num_layers=1", "--lm_batch_size=8", "--context=16",
+        "--steps=2", "--warmup_steps=1", "--repeats=1", f"--out={tmp_path / 'overlap'}",
+        timeout=300,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    for model in ("mlp", "lm"):
+        assert re.search(rf"^-- {model}: [\d,]+ parameters", out, re.M), out
+        for letter in ("setup", "target"):
+            assert re.search(rf"^  (PASS|FAIL): \({letter}\) {model}: ", out, re.M), out
+    for candidate in ("compute", "forward", "communication", "overlap", "no_overlap",
+                      "tf_collectives"):
+        rows = re.findall(rf"^  {candidate}\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d$", out, re.M)
+        assert len(rows) == 2, (candidate, out)
+    saved = json.loads((tmp_path / "overlap.json").read_text())
+    # 784-32-32-10: 784*32 + 32 + 32*32 + 32 + 32*10 + 10.
+    assert saved["results"]["mlp"]["parameters"] == 26_506
+    assert len(saved["verdicts"]) == 4

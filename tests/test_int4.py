@@ -219,3 +219,36 @@ def test_streaming_diloco_trains_with_4_bit_outer_gradients_near_float32():
     # sends 4 bytes a value.
     assert int4.optimizer.communication_stats()["bytes_sent"] == 12 * (2048 // 2 + 4 * 4)
     assert plain.optimizer.communication_stats()["bytes_sent"] == 6 * 4 * (31 + 28)
+
+
+def test_a_variable_cut_between_slices_keeps_error_feedback_for_each_piece():
+    # H = 6, F = 2, τ = 2: fragment 1's slices cut variable 2 (16 values)
+    # after its 14th (test_streaming_diloco), so each piece has its own
+    # residual, and the centers stay near float32's as above.
+    steps = 24
+
+    def run_with(compressor):
+        return fit_recording(
+            lambda: StreamingDiLoCo(
+                keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2,
+                sync_delay=2, compression=compressor,
+            ),
+            steps,
+        )
+
+    (_, plain_states), (int4, int4_states) = run_with(None), run_with("int4")
+    residuals = {
+        v.path.rpartition("/")[2]: tuple(v.shape)
+        for v in int4.optimizer.variables
+        if v.path.endswith("_residual")
+    }
+    assert len(residuals) == 9, residuals
+    kernel = int4.trainable_variables[2].path.replace("/", "_")
+    assert residuals[f"{kernel}_0_14_residual"] == (14,)
+    assert residuals[f"{kernel}_14_16_residual"] == (2,)
+    start = np.concatenate([w.ravel() for w in initial_weights()])
+    plain_centers, int4_centers = (
+        np.concatenate([c.ravel() for c in states[-1][1]]) for states in (plain_states, int4_states)
+    )
+    difference = np.linalg.norm(int4_centers - plain_centers) / np.linalg.norm(plain_centers - start)
+    assert 1e-3 < difference < 0.05, difference

@@ -17,6 +17,7 @@ from test_agn import RecordStates
 from test_restarts import Interrupt
 from tf_agn.optimizers import AGN
 from tf_agn.optimizers import StreamingDiLoCo
+from tf_agn.optimizers.streaming_diloco import Piece
 from tf_agn.optimizers.streaming_diloco import fragments_by_layer
 from tf_agn.optimizers.streaming_diloco import slices_by_size
 
@@ -340,7 +341,7 @@ def test_a_delayed_exchange_travels_in_sync_delay_slices_one_a_step():
     # H = 6, F = 2, τ = 2. Fragment 0 (variables of 12, 4, 12 and 3 values)
     # lands after step 3, fragment 1 (16, 4, 6, 2) after step 6. Its Δ,
     # taken after step 1 (4), is combined in two slices of even bytes: in
-    # step 2 (5) and step 3 (6).
+    # step 2 (5) and step 3 (6); fragment 1's cut falls inside variable 2.
     model = build_model(
         lambda: StreamingDiLoCo(
             keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2, sync_delay=2
@@ -351,24 +352,41 @@ def test_a_delayed_exchange_travels_in_sync_delay_slices_one_a_step():
     variables = model.trainable_variables
     fragments = fragments_by_layer(variables, 2, "balanced")
     assert [slices_by_size(f, variables, 2) for f in fragments] == [
-        [[0, 1], [4, 5]], [[2], [3, 6, 7]]
+        [[Piece(0), Piece(1)], [Piece(4), Piece(5)]],
+        [[Piece(2, 0, 14)], [Piece(2, 14, 16), Piece(3), Piece(6), Piece(7)]],
     ]
-    window = [0, 4 * (12 + 4), 4 * (12 + 3), 0, 4 * 16, 4 * (4 + 6 + 2)]
+    window = [0, 4 * (12 + 4), 4 * (12 + 3), 0, 4 * 14, 4 * (2 + 4 + 6 + 2)]
     assert step_bytes.per_step == window * 2
     assert model.optimizer.communication_stats()["all_reduce_calls"] == 8
 
 
-def test_slices_split_a_fragment_into_whole_variables_of_even_bytes():
-    model = transformer_ish()
-    variables = model.trainable_variables
-    sizes = [4 * int(np.prod(v.shape)) for v in variables]
-    fragment = list(range(len(variables)))
-    slices = slices_by_size(fragment, variables, 3)
-    assert sorted(i for s in slices for i in s) == fragment
-    loads = [sum(sizes[i] for i in s) for s in slices]
-    assert max(loads) <= sum(sizes) / 3 + (1 - 1 / 3) * max(sizes)
-    # Fewer variables than slices: the last ones are empty.
-    assert slices_by_size([2, 5], variables, 3) == [[2], [5], []]
+def specs(*sizes):
+    return [tf.TensorSpec((size,), tf.float32) for size in sizes]
+
+
+@pytest.mark.parametrize("sizes, num_slices", [
+    ((8192, 2048, 64, 6336, 64), 3), ((5, 1, 7), 4), ((3,), 3), ((10, 10, 10), 1),
+])
+def test_slices_cover_every_element_once_in_even_bytes(sizes, num_slices):
+    variables = specs(*sizes)
+    slices = slices_by_size(list(range(len(sizes))), variables, num_slices)
+    covered = [
+        (piece.index, element)
+        for pieces in slices
+        for piece in pieces
+        for first in [piece.start or 0]
+        for element in range(first, first + piece.num_elements(variables[piece.index]))
+    ]
+    assert covered == [(i, e) for i, size in enumerate(sizes) for e in range(size)]
+    share = sum(sizes) / num_slices
+    for pieces in slices:
+        elements = sum(p.num_elements(variables[p.index]) for p in pieces)
+        assert share - 1 < elements < share + 1
+        assert sum(p.start is not None for p in pieces) <= 2
+
+
+def test_fewer_elements_than_slices_leave_the_last_slices_empty():
+    assert slices_by_size([0, 1], specs(1, 1), 3) == [[Piece(0)], [Piece(1)], []]
 
 
 def transformer_ish():

@@ -1,5 +1,6 @@
 """`StreamingDiLoCo`: DiLoCo that synchronizes one fragment at a time."""
 
+import collections
 import functools
 
 import keras
@@ -33,8 +34,9 @@ class StreamingDiLoCo(WindowedOptimizer):
       (`fragments_by_layer`).
     - Schedule (torchft's): fragment p lands after local step k with
       k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
-      weights after step k − τ. With τ ≥ 1 its variables are split into
-      τ slices of even bytes (`slices_by_size`), and slice j is combined
+      weights after step k − τ. With τ ≥ 1 its variables are cut into
+      τ slices of even bytes (`slices_by_size`, a cut may fall inside a
+      variable), and slice j is combined
       across replicas in the graph of step k − τ + 1 + j, beside that
       step's forward and backward pass: a step sends one slice at most
       (with τ = 0, the fragment after step k).
@@ -141,7 +143,14 @@ class StreamingDiLoCo(WindowedOptimizer):
         self._slices = [
             slices_by_size(fragment, var_list, self.sync_delay) for fragment in self._fragments
         ]
+        # The pieces in the order of the variables, each with its own
+        # compressor state (a whole variable's is named as AGN's).
+        self._pieces = sorted(
+            (piece for slices in self._slices for pieces in slices for piece in pieces),
+            key=lambda piece: (piece.index, piece.start or 0),
+        )
         super().build(var_list)
+        self._state_of_piece = dict(zip(self._pieces, self._compression_state))
         # Each replica's own Δ from the step that takes it to the step that
         # combines its slice, then the combined Δ until they land; with
         # τ = 0 they land where they are combined.
@@ -164,6 +173,13 @@ class StreamingDiLoCo(WindowedOptimizer):
             # step before and depends on nothing this step computes.
             in_cross_replica_context(self._send_due_slices)
         super().apply(grads, trainable_variables)
+
+    def _compressed_values(self, var_list):
+        return [
+            variable if piece.start is None else _PieceSpec(variable, piece)
+            for piece in self._pieces
+            for variable in [var_list[piece.index]]
+        ]
 
     def replica_state_variables(self):
         return super().replica_state_variables() + self._outer_gradients
@@ -199,36 +215,41 @@ class StreamingDiLoCo(WindowedOptimizer):
         applied = self._applied or range(len(self._centers))
         return [i for i in indices if i in applied]
 
-    def _local_deltas(self, indices):
-        built = _compat.built_variables(self)
-        return [self.commit_delta(built[i], self._centers[i]) for i in indices]
+    def _local_delta(self, index):
+        return self.commit_delta(_compat.built_variables(self)[index], self._centers[index])
 
-    def _combined(self, indices, deltas):
-        """The replicas' combined `deltas` of the variables at `indices`."""
+    def _combined(self, pieces, values):
+        """The replicas' combined `values` of `pieces`."""
         return aggregate(
-            deltas,
+            values,
             self.aggregation,
             compressor=self.compressor,
-            state=[self._compression_state[i] for i in indices],
+            state=[self._state_of_piece[piece] for piece in pieces],
             step=self.outer_optimizer.iterations,
             counter=self._communication,
         )
 
     def _send(self, fragment, part):
         """Combines slice `part` of `fragment`'s Δ into its outer gradients,
-        in replica context; slice 0 also takes the local Δ of the others."""
-        slices = [self._stepped(indices) for indices in self._slices[fragment]]
+        in replica context; slice 0 also keeps the local Δ of the others."""
+        applied = set(self._stepped(self._fragments[fragment]))
+        slices = [
+            [piece for piece in pieces if piece.index in applied]
+            for pieces in self._slices[fragment]
+        ]
         if part == 0:
-            later = [i for indices in slices[1:] for i in indices]
-            for i, delta in zip(later, self._local_deltas(later)):
-                self._outer_gradients[i].assign(delta)
-            deltas = self._local_deltas(slices[0])
+            for i in sorted({piece.index for pieces in slices[1:] for piece in pieces}):
+                self._outer_gradients[i].assign(self._local_delta(i))
+            source = self._local_delta
         else:
-            deltas = [self._outer_gradients[i].value for i in slices[part]]
-        if not slices[part]:  # a fragment of fewer than τ variables
+            source = lambda i: self._outer_gradients[i].value  # noqa: E731
+        pieces = slices[part]
+        if not pieces:  # fewer elements than slices
             return
-        for i, combined in zip(slices[part], self._combined(slices[part], deltas)):
-            self._outer_gradients[i].assign(combined)
+        values = [piece.of(source(piece.index)) for piece in pieces]
+        for piece, combined in zip(pieces, self._combined(pieces, values)):
+            outer_gradient = self._outer_gradients[piece.index]
+            outer_gradient.assign(piece.placed(combined, outer_gradient.value))
 
     def _land(self, fragment):
         """Steps `fragment`'s centers and mixes them into the weights, in
@@ -237,7 +258,9 @@ class StreamingDiLoCo(WindowedOptimizer):
         if self.sync_delay:
             combined = [self._outer_gradients[i].value for i in indices]
         else:
-            combined = self._combined(indices, self._local_deltas(indices))
+            combined = self._combined(
+                [Piece(i) for i in indices], [self._local_delta(i) for i in indices]
+            )
         centers = [self._centers[i] for i in indices]
         _compat.update_step_in_place(
             self.outer_optimizer,
@@ -321,12 +344,73 @@ def fragments_by_layer(variables, num_fragments, split):
     ]
 
 
+class Piece(collections.namedtuple("Piece", ["index", "start", "stop"], defaults=(None, None))):
+    """Variable `index` of a model, or the elements `start` to `stop` of
+    its flattened value (both None: all of it)."""
+
+    def num_elements(self, variable):
+        """The elements of this piece of `variable`."""
+        if self.start is None:
+            return int(np.prod(variable.shape))
+        return self.stop - self.start
+
+    def of(self, value):
+        """This piece of `value`, a value of the variable."""
+        return value if self.start is None else tf.reshape(value, [-1])[self.start:self.stop]
+
+    def placed(self, piece_value, value):
+        """`value` with this piece replaced by `piece_value`."""
+        if self.start is None:
+            return piece_value
+        flat = tf.reshape(value, [-1])
+        return tf.reshape(
+            tf.concat([flat[:self.start], piece_value, flat[self.stop:]], 0), tf.shape(value)
+        )
+
+
+class _PieceSpec:
+    """What `add_compressor_state` reads of a variable, for a piece of it."""
+
+    def __init__(self, variable, piece):
+        self.path = f"{variable.path}_{piece.start}_{piece.stop}"
+        self.shape = (piece.stop - piece.start,)
+        self.dtype = variable.dtype
+
+
 def slices_by_size(indices, variables, num_slices):
-    """The positions `indices` in `variables` (a fragment's) split into
-    `num_slices` (at least 1) slices of whole variables and even bytes, as
-    the "balanced" split of `fragments_by_layer` splits layers; a slice is
-    empty if there are fewer variables than slices."""
-    return _balanced({i: _bytes(variables[i]) for i in indices}, max(num_slices, 1))
+    """The variables at positions `indices` in `variables` (a fragment's),
+    cut into `num_slices` (at least 1) slices of even bytes.
+
+    The variables are laid end to end in the order of `indices`, flattened,
+    and cut where slice j starts, at byte ⌈j·total/num_slices⌉ rounded up
+    to a whole element: a slice holds at most one element more than its
+    share, and at most two pieces of variables (`Piece`) are not whole.
+
+    For example, variables of 12, 4, 12 and 3 float32 values in 2 slices:
+    [0, 1], [2, 3] whole; of 16, 4, 6 and 2: the first's 14 first values,
+    then its last 2 and the rest.
+
+    Returns:
+        One list of `Piece`s per slice, in the order of `indices`; a slice
+        is empty where the variables hold fewer elements than slices.
+    """
+    num_slices = max(num_slices, 1)
+    sizes = [int(np.prod(variables[i].shape)) for i in indices]
+    element_bytes = [tf.as_dtype(variables[i].dtype).size for i in indices]
+    total = sum(n * b for n, b in zip(sizes, element_bytes))
+    cuts = [-(-total * j // num_slices) for j in range(num_slices + 1)]
+    slices = [[] for _ in range(num_slices)]
+    offset = 0  # bytes before the variable
+    for i, size, width in zip(indices, sizes, element_bytes):
+        for j in range(num_slices):
+            # The elements that start at or after cut j and before cut j + 1.
+            start, stop = (
+                min(max(-(-(cut - offset) // width), 0), size) for cut in cuts[j:j + 2]
+            )
+            if stop > start:
+                slices[j].append(Piece(i) if stop - start == size else Piece(i, start, stop))
+        offset += size * width
+    return slices
 
 
 def _balanced(sizes, num_groups):

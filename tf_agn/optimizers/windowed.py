@@ -125,7 +125,14 @@ class WindowedOptimizer(CommitRules, Communicating, WrappingOptimizer):
         ]
         self.outer_optimizer.build(self._centers)
         self._communication = CommunicationCounter(self)
-        self._compression_state = add_compressor_state(self, var_list, self.compressor)
+        self._compression_state = add_compressor_state(
+            self, self._compressed_values(var_list), self.compressor
+        )
+
+    def _compressed_values(self, var_list):
+        """What travels, each with its own compressor state: the variables
+        (pieces of them for `StreamingDiLoCo`)."""
+        return var_list
 
     def _commit_schedule(self):
         """Settings besides `local_steps` that decide which step commits

@@ -1,0 +1,363 @@
+r"""What launching the gradient exchange during the backward pass saves,
+timed across worker processes on shaped links.
+
+Under `tf_agn.strategies.multi_worker_mirrored()` a Keras `fit` step
+all-reduces its gradients in packs in backward order, each launched as
+soon as its own gradients exist (`tests/test_overlap.py` reads it from the
+traced step). Started without `TF_CONFIG`, this script runs itself as each
+worker of a 2-worker cluster on localhost, each pinned to its own core and
+sending through a `--link_mbit` Mbit/s link (`shaped_link.py`; root), on
+`tf_agn.strategies.KerasMultiWorkerMirroredStrategy` with
+`CommunicationOptions(bytes_per_pack=4 MiB)`, tf_agn's pack size; worker
+0 prints the results.
+
+Models (`--models`), trained by `model.fit` with Adam:
+
+- `mlp`: 784-4096-4096-1024-10 (`--mlp_units`), ReLU (24.2M parameters),
+  on random images, `--mlp_batch_size` per step over both workers;
+- `lm`: `stdlib_text.py`'s byte Transformer, `--lm_d_model` wide, of
+  `--lm_num_layers` blocks, on the standard library's sources,
+  `--lm_batch_size` windows of `--context` bytes per step.
+
+Candidates, each timed per step over `--steps` steps (a `fit` call from
+the end of its first step until its last loss is read; or `--steps`
+calls of a compiled function), in `--repeats` rounds whose order rotates,
+the same on every worker:
+
+- `compute`: `tf_agn.optimizers.Adam(aggregation_method="none")`, the step
+  with nothing communicated;
+- `forward`: the loss alone, without gradients (so the backward pass and
+  the update take `compute` − `forward`);
+- `communication`: the exchange alone: `tf_agn.aggregate` (MEAN) of
+  tensors shaped like the gradients, every pack as the optimizer sends it;
+- `overlap`: `tf_agn.optimizers.Adam()`, tf_agn's all-reduce installed:
+  packs in backward order, each launched when its gradients exist;
+- `no_overlap`: the same, every gradient first made to wait for all the
+  others (a control dependency), so that nothing is sent before the
+  backward pass ends;
+- `tf_collectives`: Keras's own `keras.optimizers.Adam` on the strategy's
+  own `CollectiveAllReduce` (TensorFlow's collectives, the same
+  `bytes_per_pack`).
+
+The saving is `no_overlap` − `overlap` (the median over rounds of the
+difference within a round). Verdicts, per model:
+
+- (setup) `compute` takes `MIN_COMPUTE_SHARE` to `MAX_COMPUTE_SHARE` (0.3
+  to 0.6) of `communication`'s time: pick the batch or `--link_mbit`
+  until it does;
+- (target) the saving is at least `MIN_SAVED_SHARE` (half) of the smaller
+  of the backward pass's time (`compute` − `forward`, which counts the
+  update too) and `communication`'s.
+
+It also prints each candidate's time as a share of `no_overlap`'s.
+
+Durations on 2 shared cores: at 1000 Mbit/s, building and tracing the
+six candidates takes about 2 minutes per model, and the default 5 rounds
+of 8 steps about 3 minutes more. Run it as root in a network namespace of
+its own, as `streaming_diloco.py` says:
+
+    unshare --net sh -c 'ip link set lo up && python benchmarks/overlap.py \
+        --out=benchmarks/results/overlap'
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import shaped_link  # noqa: E402  (before TensorFlow: pins this worker to its core)
+
+PINNED_CORE = shaped_link.pin_to_own_core()
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import allreduce  # noqa: E402  (rounds, ratios)
+import multi_worker_allreduce  # noqa: E402  (--num_workers, our ops, fit timing)
+import stdlib_text  # noqa: E402  (the language model and its data)
+import tf_agn  # noqa: E402
+from tf_agn import _compat  # noqa: E402
+from tf_agn.collectives.packing import DEFAULT_BYTES_PER_PACK  # noqa: E402
+from tf_agn.strategies import launch  # noqa: E402
+
+# Targets.
+MIN_COMPUTE_SHARE, MAX_COMPUTE_SHARE = 0.3, 0.6  # compute / communication
+MIN_SAVED_SHARE = 0.5  # of min(backward, communication)
+
+MODELS = ("mlp", "lm")
+CANDIDATES = ("compute", "forward", "communication", "overlap", "no_overlap", "tf_collectives")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", list(MODELS), f"Models to time: {', '.join(MODELS)}.")
+flags.DEFINE_integer("link_mbit", 1000, "Each worker's uplink, Mbit/s (0: loopback at full speed).")
+flags.DEFINE_list("mlp_units", ["4096", "4096", "1024"], "The MLP's hidden layers' widths.")
+flags.DEFINE_integer("mlp_batch_size", 64, "The MLP's images per step, over all workers.")
+flags.DEFINE_integer("lm_batch_size", 64, "The language model's windows per step, over all workers.")
+flags.DEFINE_integer("lm_d_model", 256, "The language model's width.")
+flags.DEFINE_integer("lm_num_layers", 4, "The language model's Transformer blocks.")
+flags.DEFINE_integer("steps", 8, "Timed steps per candidate and round.")
+flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per candidate after tracing.")
+flags.DEFINE_string("out", "", "If set, worker 0 writes the results to OUT.json.")
+FLAGS.set_default("repeats", 5)
+
+
+class WaitingAdam(tf_agn.optimizers.Adam):
+    """tf_agn's Adam whose exchange starts after the whole backward pass."""
+
+    def apply(self, grads, trainable_variables=None):
+        present = [g for g in grads if g is not None]
+        with tf.control_dependencies(present):
+            grads = [None if g is None else tf.identity(g) for g in grads]
+        return super().apply(grads, trainable_variables)
+
+
+def make_model(name):
+    """The uncompiled model `name`, and its loss."""
+    keras.utils.set_random_seed(0)
+    if name == "mlp":
+        layers = [keras.Input((784,))]
+        layers += [keras.layers.Dense(int(units), activation="relu") for units in FLAGS.mlp_units]
+        model = keras.Sequential(layers + [keras.layers.Dense(10)])
+    else:
+        model = stdlib_text.byte_transformer(
+            FLAGS.context, FLAGS.lm_d_model, FLAGS.lm_num_layers, stdlib_text.NUM_HEADS
+        )
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def training_data(strategy, name):
+    """Endless distributed batches for model `name`."""
+    if name == "lm":
+        return stdlib_text.training_batches(
+            strategy, stdlib_text.load_split("train"), FLAGS.context, FLAGS.lm_batch_size, 0
+        )
+    rng = np.random.default_rng(0)
+
+    def dataset_fn(input_context):
+        batch = input_context.get_per_replica_batch_size(FLAGS.mlp_batch_size)
+        x = rng.standard_normal((batch, 784), dtype=np.float32)
+        y = rng.integers(0, 10, batch).astype(np.int32)
+        return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def optimizer_for(candidate):
+    if candidate == "compute":
+        return tf_agn.optimizers.Adam(aggregation_method="none")
+    if candidate == "no_overlap":
+        return WaitingAdam()
+    if candidate == "tf_collectives":
+        return keras.optimizers.Adam()
+    return tf_agn.optimizers.Adam()
+
+
+def fit_runner(strategy, name, candidate, data):
+    """Builds, compiles and warms up `candidate`'s model; returns a function
+    that times `--steps` steps of `fit` (seconds per step)."""
+    with strategy.scope():
+        model, loss = make_model(name)
+        model.compile(optimizer_for(candidate), loss=loss)
+    multi_worker_allreduce.fit_steps(model, data, FLAGS.warmup_steps)
+
+    def run():
+        timer = multi_worker_allreduce.CallTimer()
+        multi_worker_allreduce.fit_steps(model, data, FLAGS.steps + 1, [timer])
+        return timer.seconds / FLAGS.steps
+
+    return run, model
+
+
+def function_runner(step):
+    """Warms up `step` (a compiled function); returns a function that times
+    `--steps` calls of it (seconds per call)."""
+    for _ in range(FLAGS.warmup_steps):
+        step().numpy()
+
+    def run():
+        step().numpy()
+        start = time.perf_counter()
+        for _ in range(FLAGS.steps - 1):
+            step()
+        step().numpy()
+        return (time.perf_counter() - start) / FLAGS.steps
+
+    return run
+
+
+def forward_step(strategy, model, loss, data):
+    iterator = iter(data)
+
+    @tf.function
+    def step():
+        def replica(batch):
+            x, y = batch
+            return loss(y, model(x, training=True))
+
+        losses = strategy.run(replica, args=(next(iterator),))
+        return strategy.experimental_local_results(losses)[0]
+
+    return step
+
+
+def exchange_step(strategy, variables):
+    @tf.function
+    def step():
+        def replica():
+            tensors = [tf.ones(v.shape, v.dtype) for v in variables]
+            combined = tf_agn.aggregate(tensors, "mean")
+            return tf.add_n([tf.reshape(c, [-1])[0] for c in combined])
+
+        return strategy.experimental_local_results(strategy.run(replica))[0]
+
+    return step
+
+
+def run_model(strategy, ours, stock, name, say):
+    """Times every candidate on model `name`; returns its results."""
+    data = training_data(strategy, name)
+    runners = {}
+    for candidate in CANDIDATES:
+        start = time.perf_counter()
+        # Each candidate is traced with its all-reduce installed, and keeps it.
+        _compat.replace_cross_device_ops(
+            strategy.extended, stock if candidate == "tf_collectives" else ours
+        )
+        if candidate == "forward":
+            with strategy.scope():
+                model, loss = make_model(name)
+            runners[candidate] = function_runner(forward_step(strategy, model, loss, data))
+        elif candidate == "communication":
+            variables = runners_model.trainable_variables
+            runners[candidate] = function_runner(exchange_step(strategy, variables))
+        else:
+            runners[candidate], runners_model = fit_runner(strategy, name, candidate, data)
+        say(f"  {candidate}: built, traced and warmed up in {time.perf_counter() - start:.1f} s")
+    _compat.replace_cross_device_ops(strategy.extended, ours)
+    seconds = {candidate: [] for candidate in CANDIDATES}
+
+    def timed(candidate):
+        return lambda: seconds[candidate].append(runners[candidate]())
+
+    allreduce.time_rounds({c: timed(c) for c in CANDIDATES}, FLAGS.repeats)
+    seconds = {c: np.array(s) for c, s in seconds.items()}
+    params = runners_model.count_params()
+    backward = seconds["compute"] - seconds["forward"]
+    saved = seconds["no_overlap"] - seconds["overlap"]
+    median = {c: float(np.median(s)) for c, s in seconds.items()}
+    say(
+        f"\n-- {name}: {params:,} parameters ({4 * params / 2**20:.1f} MiB of gradients), "
+        f"{FLAGS.mlp_batch_size if name == 'mlp' else FLAGS.lm_batch_size} per step, "
+        f"{FLAGS.repeats} rounds of {FLAGS.steps} steps --\n"
+        f"  {'candidate':<16}{'ms/step':>9}{'min ms':>9}{'/no_overlap':>13}"
+    )
+    for candidate in CANDIDATES:
+        say(
+            f"  {candidate:<16}{1e3 * median[candidate]:>9.1f}"
+            f"{1e3 * seconds[candidate].min():>9.1f}"
+            f"{allreduce._ratio(seconds[candidate], seconds['no_overlap']):>13.2f}"
+        )
+    compute_share = allreduce._ratio(seconds["compute"], seconds["communication"])
+    bound = float(np.median(np.minimum(backward, seconds["communication"])))
+    saved_median = float(np.median(saved))
+    say(
+        f"  backward pass and update (compute - forward): {1e3 * np.median(backward):.1f} ms; "
+        f"overlap saves {1e3 * saved_median:.1f} ms a step"
+    )
+    return {
+        "parameters": params,
+        "seconds_per_step": {c: s.tolist() for c, s in seconds.items()},
+        "compute_share": compute_share,
+        "saved": saved_median,
+        "bound": bound,
+    }
+
+
+def worker_main():
+    tf.get_logger().setLevel("ERROR")
+    if FLAGS.link_mbit:
+        # Before the strategy starts this worker's server, so that all it
+        # sends goes through its link.
+        shaped_link.limit_this_worker(FLAGS.link_mbit)
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=DEFAULT_BYTES_PER_PACK)
+    strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy(communication_options=options)
+    stock = _compat.cross_device_ops(strategy.extended)
+    ours = multi_worker_allreduce.our_ops(strategy)
+    task = int(strategy.cluster_resolver.task_id)
+    is_chief = task == 0
+    say = print if is_chief else (lambda *args, **kwargs: None)
+    print(f"worker {task}: pinned to CPU {PINNED_CORE}", flush=True)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    link = f"{FLAGS.link_mbit} Mbit/s links" if FLAGS.link_mbit else "loopback at full speed"
+    say(
+        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
+        f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
+        f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica each; "
+        f"{link}; tf_collectives: {allreduce.describe_stock(strategy)}",
+        flush=True,
+    )
+    verdicts = []
+    results = {}
+    for name in FLAGS.models:
+        shaped_before = shaped_link.shaped_bytes() if FLAGS.link_mbit else 0
+        loopback_before = multi_worker_allreduce.loopback_bytes_sent()
+        results[name] = result = run_model(strategy, ours, stock, name, say)
+        multi_worker_allreduce.sync_fn(strategy)().numpy()
+        if FLAGS.link_mbit:
+            share = (shaped_link.shaped_bytes() - shaped_before) / (
+                multi_worker_allreduce.loopback_bytes_sent() - loopback_before
+            )
+            say(f"  {share:.2%} of the bytes loopback carried went through the links.")
+        share = result["compute_share"]
+        verdicts.append(
+            f"{'PASS' if MIN_COMPUTE_SHARE <= share <= MAX_COMPUTE_SHARE else 'FAIL'}: "
+            f"(setup) {name}: compute takes {share:.2f} of communication's time "
+            f"(must be in [{MIN_COMPUTE_SHARE}, {MAX_COMPUTE_SHARE}])."
+        )
+        saved_share = result["saved"] / result["bound"]
+        verdicts.append(
+            f"{'PASS' if saved_share >= MIN_SAVED_SHARE else 'FAIL'}: (target) {name}: overlap "
+            f"saves {1e3 * result['saved']:.1f} ms a step, {saved_share:.2f} of "
+            f"min(backward, communication) = {1e3 * result['bound']:.1f} ms "
+            f"(target >= {MIN_SAVED_SHARE})."
+        )
+    say("\n== Verdicts ==\n" + "\n".join(f"  {line}" for line in verdicts))
+    if is_chief and FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        config = {name: FLAGS[name].value for name in (
+            "models", "link_mbit", "mlp_units", "mlp_batch_size", "lm_batch_size", "lm_d_model",
+            "lm_num_layers", "context", "steps", "warmup_steps", "repeats", "num_workers",
+        )}
+        with open(f"{FLAGS.out}.json", "w") as out:
+            json.dump({"config": config, "results": results, "verdicts": verdicts}, out, indent=1)
+        print(f"Wrote {FLAGS.out}.json")
+
+
+def main(argv):
+    del argv  # absl has taken the flags out; workers get the command line
+    unknown = set(FLAGS.models) - set(MODELS)
+    if unknown:
+        raise app.UsageError(f"Unknown --models {sorted(unknown)}; allowed: {', '.join(MODELS)}.")
+    if FLAGS.num_workers != 2:
+        raise app.UsageError(
+            "--link_mbit limits what each worker sends, not what it receives: "
+            f"--num_workers must be 2; received {FLAGS.num_workers}."
+        )
+    if FLAGS.steps < 2:
+        raise app.UsageError(f"--steps must be >= 2; received {FLAGS.steps}.")
+    if "TF_CONFIG" not in os.environ:
+        command = [sys.executable, *sys.argv]
+        with shaped_link.installed() if FLAGS.link_mbit else contextlib.nullcontext():
+            sys.exit(launch.run_workers(command, FLAGS.num_workers))
+    worker_main()
+
+
+if __name__ == "__main__":
+    app.run(main)
