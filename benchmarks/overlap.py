@@ -6,7 +6,8 @@ all-reduces its gradients in packs in backward order, each launched as
 soon as its own gradients exist (`tests/test_overlap.py` reads it from the
 traced step). Started without `TF_CONFIG`, this script runs itself as each
 worker of a 2-worker cluster on localhost, each pinned to its own core and
-sending through a `--link_mbit` Mbit/s link (`shaped_link.py`; root), on
+sending through a link of `--mlp_link_mbit` or `--lm_link_mbit` Mbit/s
+(`shaped_link.py`; root), on
 `tf_agn.strategies.KerasMultiWorkerMirroredStrategy` with
 `CommunicationOptions(bytes_per_pack=4 MiB)`, tf_agn's pack size; worker
 0 prints the results.
@@ -26,8 +27,9 @@ the same on every worker:
 
 - `compute`: `tf_agn.optimizers.Adam(aggregation_method="none")`, the step
   with nothing communicated;
-- `forward`: the loss alone, without gradients (so the backward pass and
-  the update take `compute` − `forward`);
+- `forward`: the loss alone;
+- `gradients`: the loss and its gradients, no update (the backward pass
+  takes `gradients` − `forward`);
 - `communication`: the exchange alone: `tf_agn.aggregate` (MEAN) of
   tensors shaped like the gradients, every pack as the optimizer sends it;
 - `overlap`: `tf_agn.optimizers.Adam()`, tf_agn's all-reduce installed:
@@ -43,17 +45,16 @@ The saving is `no_overlap` − `overlap` (the median over rounds of the
 difference within a round). Verdicts, per model:
 
 - (setup) `compute` takes `MIN_COMPUTE_SHARE` to `MAX_COMPUTE_SHARE` (0.3
-  to 0.6) of `communication`'s time: pick the batch or `--link_mbit`
-  until it does;
+  to 0.6) of `communication`'s time: pick the model's batch or link until
+  it does;
 - (target) the saving is at least `MIN_SAVED_SHARE` (half) of the smaller
-  of the backward pass's time (`compute` − `forward`, which counts the
-  update too) and `communication`'s.
+  of the backward pass's time and `communication`'s.
 
 It also prints each candidate's time as a share of `no_overlap`'s.
 
-Durations on 2 shared cores: at 1000 Mbit/s, building and tracing the
-six candidates takes about 2 minutes per model, and the default 5 rounds
-of 8 steps about 3 minutes more. Run it as root in a network namespace of
+Durations on 2 shared cores: building and tracing the candidates takes
+about a minute per model, and the default 5 rounds of 4 steps 3 minutes
+for the MLP and 1.5 for the language model: about 7 minutes in all. Run it as root in a network namespace of
 its own, as `streaming_diloco.py` says:
 
     unshare --net sh -c 'ip link set lo up && python benchmarks/overlap.py \
@@ -90,19 +91,28 @@ from tf_agn.strategies import launch  # noqa: E402
 # Targets.
 MIN_COMPUTE_SHARE, MAX_COMPUTE_SHARE = 0.3, 0.6  # compute / communication
 MIN_SAVED_SHARE = 0.5  # of min(backward, communication)
+# A model's link at 0 ("full speed") where another model's is shaped.
+FULL_SPEED_MBIT = 100_000
 
 MODELS = ("mlp", "lm")
-CANDIDATES = ("compute", "forward", "communication", "overlap", "no_overlap", "tf_collectives")
+CANDIDATES = (
+    "compute", "forward", "gradients", "communication", "overlap", "no_overlap", "tf_collectives",
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", list(MODELS), f"Models to time: {', '.join(MODELS)}.")
-flags.DEFINE_integer("link_mbit", 1000, "Each worker's uplink, Mbit/s (0: loopback at full speed).")
+flags.DEFINE_integer(
+    "mlp_link_mbit", 700, "Each worker's uplink for the MLP, Mbit/s (0: loopback at full speed)."
+)
+flags.DEFINE_integer(
+    "lm_link_mbit", 150, "Each worker's uplink for the language model, Mbit/s (0: full speed)."
+)
 flags.DEFINE_list("mlp_units", ["4096", "4096", "1024"], "The MLP's hidden layers' widths.")
 flags.DEFINE_integer("mlp_batch_size", 64, "The MLP's images per step, over all workers.")
-flags.DEFINE_integer("lm_batch_size", 64, "The language model's windows per step, over all workers.")
+flags.DEFINE_integer("lm_batch_size", 8, "The language model's windows per step, over all workers.")
 flags.DEFINE_integer("lm_d_model", 256, "The language model's width.")
 flags.DEFINE_integer("lm_num_layers", 4, "The language model's Transformer blocks.")
-flags.DEFINE_integer("steps", 8, "Timed steps per candidate and round.")
+flags.DEFINE_integer("steps", 4, "Timed steps per candidate and round.")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per candidate after tracing.")
 flags.DEFINE_string("out", "", "If set, worker 0 writes the results to OUT.json.")
 FLAGS.set_default("repeats", 5)
@@ -192,17 +202,24 @@ def function_runner(step):
     return run
 
 
-def forward_step(strategy, model, loss, data):
+def loss_step(strategy, model, loss, data, gradients):
+    """A compiled step of the loss of `model` on the next batch of `data`,
+    and of its gradients if `gradients`; nothing is sent or updated."""
     iterator = iter(data)
 
     @tf.function
     def step():
         def replica(batch):
             x, y = batch
-            return loss(y, model(x, training=True))
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            if not gradients:
+                return value
+            grads = tape.gradient(value, model.trainable_variables)
+            return tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
 
-        losses = strategy.run(replica, args=(next(iterator),))
-        return strategy.experimental_local_results(losses)[0]
+        results = strategy.run(replica, args=(next(iterator),))
+        return strategy.experimental_local_results(results)[0]
 
     return step
 
@@ -230,10 +247,11 @@ def run_model(strategy, ours, stock, name, say):
         _compat.replace_cross_device_ops(
             strategy.extended, stock if candidate == "tf_collectives" else ours
         )
-        if candidate == "forward":
+        if candidate in ("forward", "gradients"):
             with strategy.scope():
                 model, loss = make_model(name)
-            runners[candidate] = function_runner(forward_step(strategy, model, loss, data))
+            step = loss_step(strategy, model, loss, data, gradients=candidate == "gradients")
+            runners[candidate] = function_runner(step)
         elif candidate == "communication":
             variables = runners_model.trainable_variables
             runners[candidate] = function_runner(exchange_step(strategy, variables))
@@ -249,7 +267,7 @@ def run_model(strategy, ours, stock, name, say):
     allreduce.time_rounds({c: timed(c) for c in CANDIDATES}, FLAGS.repeats)
     seconds = {c: np.array(s) for c, s in seconds.items()}
     params = runners_model.count_params()
-    backward = seconds["compute"] - seconds["forward"]
+    backward = seconds["gradients"] - seconds["forward"]
     saved = seconds["no_overlap"] - seconds["overlap"]
     median = {c: float(np.median(s)) for c, s in seconds.items()}
     say(
@@ -268,7 +286,7 @@ def run_model(strategy, ours, stock, name, say):
     bound = float(np.median(np.minimum(backward, seconds["communication"])))
     saved_median = float(np.median(saved))
     say(
-        f"  backward pass and update (compute - forward): {1e3 * np.median(backward):.1f} ms; "
+        f"  backward pass (gradients - forward): {1e3 * np.median(backward):.1f} ms; "
         f"overlap saves {1e3 * saved_median:.1f} ms a step"
     )
     return {
@@ -282,10 +300,12 @@ def run_model(strategy, ours, stock, name, say):
 
 def worker_main():
     tf.get_logger().setLevel("ERROR")
-    if FLAGS.link_mbit:
+    links = {name: FLAGS[f"{name}_link_mbit"].value for name in FLAGS.models}
+    shaped = any(links.values())
+    if shaped:
         # Before the strategy starts this worker's server, so that all it
         # sends goes through its link.
-        shaped_link.limit_this_worker(FLAGS.link_mbit)
+        shaped_link.limit_this_worker(links[FLAGS.models[0]] or FULL_SPEED_MBIT)
     options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=DEFAULT_BYTES_PER_PACK)
     strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy(communication_options=options)
     stock = _compat.cross_device_ops(strategy.extended)
@@ -295,22 +315,24 @@ def worker_main():
     say = print if is_chief else (lambda *args, **kwargs: None)
     print(f"worker {task}: pinned to CPU {PINNED_CORE}", flush=True)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    link = f"{FLAGS.link_mbit} Mbit/s links" if FLAGS.link_mbit else "loopback at full speed"
     say(
         f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
         f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
         f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica each; "
-        f"{link}; tf_collectives: {allreduce.describe_stock(strategy)}",
+        f"tf_collectives: {allreduce.describe_stock(strategy)}",
         flush=True,
     )
     verdicts = []
     results = {}
     for name in FLAGS.models:
-        shaped_before = shaped_link.shaped_bytes() if FLAGS.link_mbit else 0
+        if shaped:
+            shaped_link.limit_this_worker(links[name] or FULL_SPEED_MBIT)
+        say(f"\n== {name}, on {f'{links[name]} Mbit/s links' if links[name] else 'loopback'} ==")
+        shaped_before = shaped_link.shaped_bytes() if shaped else 0
         loopback_before = multi_worker_allreduce.loopback_bytes_sent()
         results[name] = result = run_model(strategy, ours, stock, name, say)
         multi_worker_allreduce.sync_fn(strategy)().numpy()
-        if FLAGS.link_mbit:
+        if links[name]:
             share = (shaped_link.shaped_bytes() - shaped_before) / (
                 multi_worker_allreduce.loopback_bytes_sent() - loopback_before
             )
@@ -332,7 +354,8 @@ def worker_main():
     if is_chief and FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         config = {name: FLAGS[name].value for name in (
-            "models", "link_mbit", "mlp_units", "mlp_batch_size", "lm_batch_size", "lm_d_model",
+            "models", "mlp_link_mbit", "lm_link_mbit", "mlp_units", "mlp_batch_size",
+            "lm_batch_size", "lm_d_model",
             "lm_num_layers", "context", "steps", "warmup_steps", "repeats", "num_workers",
         )}
         with open(f"{FLAGS.out}.json", "w") as out:
@@ -347,14 +370,15 @@ def main(argv):
         raise app.UsageError(f"Unknown --models {sorted(unknown)}; allowed: {', '.join(MODELS)}.")
     if FLAGS.num_workers != 2:
         raise app.UsageError(
-            "--link_mbit limits what each worker sends, not what it receives: "
+            "A shaped link limits what each worker sends, not what it receives: "
             f"--num_workers must be 2; received {FLAGS.num_workers}."
         )
     if FLAGS.steps < 2:
         raise app.UsageError(f"--steps must be >= 2; received {FLAGS.steps}.")
     if "TF_CONFIG" not in os.environ:
         command = [sys.executable, *sys.argv]
-        with shaped_link.installed() if FLAGS.link_mbit else contextlib.nullcontext():
+        shaped = any(FLAGS[f"{name}_link_mbit"].value for name in FLAGS.models)
+        with shaped_link.installed() if shaped else contextlib.nullcontext():
             sys.exit(launch.run_workers(command, FLAGS.num_workers))
     worker_main()
 

@@ -101,7 +101,8 @@ def limit_this_worker(mbit):
 
 
 def limit_port(index, port, mbit):
-    """Sends every packet from source `port` through a `mbit` Mbit/s class.
+    """Sends every packet from source `port` through a `mbit` Mbit/s class;
+    called again for the same worker, changes that class's rate.
 
     Args:
         index: the worker's index; its class is `HANDLE:(index + 10)`.
@@ -118,8 +119,11 @@ def limit_port(index, port, mbit):
         )
     classid = f"{HANDLE}:{index + 10}"
     rate = f"{mbit}mbit"
-    _tc("class", "add", "dev", DEVICE, "parent", f"{HANDLE}:", "classid", classid,
-        "htb", "rate", rate, "ceil", rate, "burst", BURST, "cburst", BURST)
+    exists = bool(_tc("class", "show", "dev", DEVICE, "classid", classid).strip())
+    _tc("class", "change" if exists else "add", "dev", DEVICE, "parent", f"{HANDLE}:",
+        "classid", classid, "htb", "rate", rate, "ceil", rate, "burst", BURST, "cburst", BURST)
+    if exists:
+        return
     _tc("filter", "add", "dev", DEVICE, "parent", f"{HANDLE}:", "protocol", "ip",
         "prio", "1", "u32", "match", "ip", "sport", str(port), "0xffff",
         "flowid", classid)

@@ -242,8 +242,8 @@ def test_overlap_runs_and_reports(tmp_path):
     # Tiny models on full-speed loopback, 1 round of 2 steps: start-up and
     # tracing six candidates per model are most of it.
     result = run_python(
-        OVERLAP, "--models=mlp,lm", "--link_mbit=0", "--mlp_units=32,32", "--mlp_batch_size=8",
-        "--lm_d_model=16", "--lm_num_layers=1", "--lm_batch_size=8", "--context=16",
+        OVERLAP, "--models=mlp,lm", "--mlp_link_mbit=0", "--lm_link_mbit=0", "--mlp_units=32,32",
+        "--mlp_batch_size=8", "--lm_d_model=16", "--lm_num_layers=1", "--lm_batch_size=8", "--context=16",
         "--steps=2", "--warmup_steps=1", "--repeats=1", f"--out={tmp_path / 'overlap'}",
         timeout=300,
     )
@@ -253,8 +253,8 @@ def test_overlap_runs_and_reports(tmp_path):
         assert re.search(rf"^-- {model}: [\d,]+ parameters", out, re.M), out
         for letter in ("setup", "target"):
             assert re.search(rf"^  (PASS|FAIL): \({letter}\) {model}: ", out, re.M), out
-    for candidate in ("compute", "forward", "communication", "overlap", "no_overlap",
-                      "tf_collectives"):
+    for candidate in ("compute", "forward", "gradients", "communication", "overlap",
+                      "no_overlap", "tf_collectives"):
         rows = re.findall(rf"^  {candidate}\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d$", out, re.M)
         assert len(rows) == 2, (candidate, out)
     saved = json.loads((tmp_path / "overlap.json").read_text())
