@@ -164,6 +164,26 @@ class CallTimer(keras.callbacks.Callback):
         self.seconds = time.perf_counter() - self.start
 
 
+def announce(strategy, core, setup):
+    """Prints which core this worker is pinned to and, on the chief, the
+    machine's header and `setup`.
+
+    Returns:
+        `(is_chief, say)`: `say` prints on the chief and nowhere else.
+    """
+    task = int(strategy.cluster_resolver.task_id)
+    say = print if task == 0 else (lambda *args, **kwargs: None)
+    print(f"worker {task}: pinned to CPU {core}", flush=True)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    say(
+        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
+        f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
+        f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica each; {setup}",
+        flush=True,
+    )
+    return task == 0, say
+
+
 def fit_steps(model, dataset, steps, callbacks=()):
     """One `fit` call of `steps` steps of `dataset`, silent."""
     model.fit(

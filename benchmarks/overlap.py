@@ -62,7 +62,6 @@ its own, as `streaming_diloco.py` says:
 """
 
 import contextlib
-import datetime
 import json
 import os
 import sys
@@ -310,17 +309,8 @@ def worker_main():
     strategy = tf_agn.strategies.KerasMultiWorkerMirroredStrategy(communication_options=options)
     stock = _compat.cross_device_ops(strategy.extended)
     ours = multi_worker_allreduce.our_ops(strategy)
-    task = int(strategy.cluster_resolver.task_id)
-    is_chief = task == 0
-    say = print if is_chief else (lambda *args, **kwargs: None)
-    print(f"worker {task}: pinned to CPU {PINNED_CORE}", flush=True)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(
-        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
-        f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
-        f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica each; "
-        f"tf_collectives: {allreduce.describe_stock(strategy)}",
-        flush=True,
+    is_chief, say = multi_worker_allreduce.announce(
+        strategy, PINNED_CORE, f"tf_collectives: {allreduce.describe_stock(strategy)}"
     )
     verdicts = []
     results = {}

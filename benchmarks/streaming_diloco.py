@@ -92,7 +92,6 @@ Usage (the second as root; choose `--link_mbit` so that (e) passes):
 """
 
 import contextlib
-import datetime
 import importlib.util
 import json
 import os
@@ -551,22 +550,14 @@ def worker_main():
         # sends goes through its link.
         shaped_link.limit_this_worker(FLAGS.link_mbit)
     strategy = tf_agn.strategies.multi_worker_mirrored()
-    task = int(strategy.cluster_resolver.task_id)
-    is_chief = task == 0
-    say = print if is_chief else (lambda *args, **kwargs: None)
-    print(f"worker {task}: pinned to CPU {PINNED_CORE}", flush=True)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(
-        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
-        f"{os.cpu_count()} CPUs; load average {load}; TensorFlow {tf.__version__}; "
-        f"Keras {keras.__version__}\n{FLAGS.num_workers} workers, one CPU replica each "
-        f"({strategy.num_replicas_in_sync} replicas); {FLAGS.mode} mode; H = "
-        f"{FLAGS.local_steps}, F = {FLAGS.num_fragments}, τ = {FLAGS.sync_delay}, "
-        f"compression {FLAGS.compression}; Adam {FLAGS.learning_rate:g} (inner "
-        f"{FLAGS.inner_learning_rate or FLAGS.learning_rate:g}), outer SGD "
-        f"{FLAGS.outer_learning_rate:g} (Nesterov momentum {FLAGS.outer_momentum:g}); "
+    is_chief, say = multi_worker_allreduce.announce(
+        strategy,
+        PINNED_CORE,
+        f"{FLAGS.mode} mode; H = {FLAGS.local_steps}, F = {FLAGS.num_fragments}, "
+        f"τ = {FLAGS.sync_delay}, compression {FLAGS.compression}; Adam "
+        f"{FLAGS.learning_rate:g} (inner {FLAGS.inner_learning_rate or FLAGS.learning_rate:g}), "
+        f"outer SGD {FLAGS.outer_learning_rate:g} (Nesterov momentum {FLAGS.outer_momentum:g}); "
         f"{FLAGS.batch_size} windows of {FLAGS.context} bytes per step; seed {FLAGS.seed}",
-        flush=True,
     )
     verdicts = Verdicts()
     run = run_quality if FLAGS.mode == "quality" else run_throughput

@@ -195,23 +195,7 @@ def test_streaming_diloco_trains_with_4_bit_outer_gradients_near_float32():
     outer Nesterov momentum and the runs' drift apart (measured: 2.6%;
     int8 0.15%; int4 without error feedback 8.5%, past the bound).
     """
-    steps = 24
-
-    def run_with(compressor):
-        return fit_recording(
-            lambda: StreamingDiLoCo(
-                keras.optimizers.SGD(LEARNING_RATE), local_steps=4, num_fragments=2,
-                sync_delay=1, compression=compressor,
-            ),
-            steps,
-        )
-
-    (plain, plain_states), (int4, int4_states) = run_with(None), run_with("int4")
-    start = np.concatenate([w.ravel() for w in initial_weights()])
-    plain_centers, int4_centers = (
-        np.concatenate([c.ravel() for c in states[-1][1]]) for states in (plain_states, int4_states)
-    )
-    difference = np.linalg.norm(int4_centers - plain_centers) / np.linalg.norm(plain_centers - start)
+    (plain, int4), difference = int4_against_float32(local_steps=4, sync_delay=1)
     assert 1e-3 < difference < 0.05, difference
     # 12 exchanges of one fragment each (3*4 + 4 + 4*3 + 3 = 31 and
     # 4*4 + 4 + 3*2 + 2 = 28 values): each padded for 4 replicas to 4
@@ -225,18 +209,8 @@ def test_a_variable_cut_between_slices_keeps_error_feedback_for_each_piece():
     # H = 6, F = 2, τ = 2: fragment 1's slices cut variable 2 (16 values)
     # after its 14th (test_streaming_diloco), so each piece has its own
     # residual, and the centers stay near float32's as above.
-    steps = 24
-
-    def run_with(compressor):
-        return fit_recording(
-            lambda: StreamingDiLoCo(
-                keras.optimizers.SGD(LEARNING_RATE), local_steps=6, num_fragments=2,
-                sync_delay=2, compression=compressor,
-            ),
-            steps,
-        )
-
-    (_, plain_states), (int4, int4_states) = run_with(None), run_with("int4")
+    (_, int4), difference = int4_against_float32(local_steps=6, sync_delay=2)
+    assert 1e-3 < difference < 0.05, difference
     residuals = {
         v.path.rpartition("/")[2]: tuple(v.shape)
         for v in int4.optimizer.variables
@@ -246,9 +220,25 @@ def test_a_variable_cut_between_slices_keeps_error_feedback_for_each_piece():
     kernel = int4.trainable_variables[2].path.replace("/", "_")
     assert residuals[f"{kernel}_0_14_residual"] == (14,)
     assert residuals[f"{kernel}_14_16_residual"] == (2,)
+
+
+def int4_against_float32(local_steps, sync_delay, steps=24):
+    """StreamingDiLoCo (F = 2) uncompressed and with int4: both models, and
+    how far int4's centers end from float32's, relative to how far
+    float32's moved."""
+    def run_with(compressor):
+        return fit_recording(
+            lambda: StreamingDiLoCo(
+                keras.optimizers.SGD(LEARNING_RATE), local_steps=local_steps, num_fragments=2,
+                sync_delay=sync_delay, compression=compressor,
+            ),
+            steps,
+        )
+
+    (plain, plain_states), (int4, int4_states) = run_with(None), run_with("int4")
     start = np.concatenate([w.ravel() for w in initial_weights()])
     plain_centers, int4_centers = (
         np.concatenate([c.ravel() for c in states[-1][1]]) for states in (plain_states, int4_states)
     )
     difference = np.linalg.norm(int4_centers - plain_centers) / np.linalg.norm(plain_centers - start)
-    assert 1e-3 < difference < 0.05, difference
+    return (plain, int4), difference
