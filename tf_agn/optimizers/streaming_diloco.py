@@ -34,12 +34,11 @@ class StreamingDiLoCo(WindowedOptimizer):
       (`fragments_by_layer`).
     - Schedule (torchft's): fragment p lands after local step k with
       k ≡ (p + 1)·H/F (mod H). Its Δ_p = θ_p − θ_c,p is taken from the
-      weights after step k − τ. With τ ≥ 1 its variables are cut into
-      τ slices of even bytes (`slices_by_size`, a cut may fall inside a
-      variable), and slice j is combined
-      across replicas in the graph of step k − τ + 1 + j, beside that
-      step's forward and backward pass: a step sends one slice at most
-      (with τ = 0, the fragment after step k).
+      weights after step k − τ. With τ ≥ 1 its variables are cut into τ
+      slices of even bytes (`slices_by_size`; a cut may fall inside a
+      variable), and slice j is combined across replicas in the graph of
+      step k − τ + 1 + j, beside that step's forward and backward pass: a
+      step sends one slice at most (with τ = 0, the fragment after step k).
     - Landing: the outer optimizer steps θ_c,p with gradient −Δ_p (Δ_p not
       divided by H), then θ_p ← α·θ_p + (1 − α)·θ_c,p, α being
       `fragment_update_alpha`. The outer optimizer's `iterations` grows
@@ -417,8 +416,7 @@ def _balanced(sizes, num_groups):
     """`sizes`' keys (in their order) split into `num_groups` lists of even
     total size: largest first (ties in order), each to the group with the
     smallest total so far (ties: fewer members, then the lower number);
-    the groups numbered in the order of their first members, empty ones
-    last."""
+    the groups numbered in the order of their first members."""
     order = list(sizes)
     groups = [[] for _ in range(num_groups)]
     loads = [0] * num_groups
@@ -428,7 +426,7 @@ def _balanced(sizes, num_groups):
         loads[lightest] += sizes[key]
     return sorted(
         (sorted(members, key=order.index) for members in groups),
-        key=lambda members: order.index(members[0]) if members else len(order),
+        key=lambda members: order.index(members[0]),
     )
 
 
