@@ -252,10 +252,11 @@ def run_model(strategy, ours, stock, name, say):
             step = loss_step(strategy, model, loss, data, gradients=candidate == "gradients")
             runners[candidate] = function_runner(step)
         elif candidate == "communication":
-            variables = runners_model.trainable_variables
+            # Shaped like the gradients of `compute`'s model, built before.
+            variables = fit_model.trainable_variables
             runners[candidate] = function_runner(exchange_step(strategy, variables))
         else:
-            runners[candidate], runners_model = fit_runner(strategy, name, candidate, data)
+            runners[candidate], fit_model = fit_runner(strategy, name, candidate, data)
         say(f"  {candidate}: built, traced and warmed up in {time.perf_counter() - start:.1f} s")
     _compat.replace_cross_device_ops(strategy.extended, ours)
     seconds = {candidate: [] for candidate in CANDIDATES}
@@ -265,7 +266,7 @@ def run_model(strategy, ours, stock, name, say):
 
     allreduce.time_rounds({c: timed(c) for c in CANDIDATES}, FLAGS.repeats)
     seconds = {c: np.array(s) for c, s in seconds.items()}
-    params = runners_model.count_params()
+    params = fit_model.count_params()
     backward = seconds["gradients"] - seconds["forward"]
     saved = seconds["no_overlap"] - seconds["overlap"]
     median = {c: float(np.median(s)) for c, s in seconds.items()}
