@@ -52,19 +52,35 @@ difference within a round). Verdicts, per model:
 
 It also prints each candidate's time as a share of `no_overlap`'s.
 
-Durations on 2 shared cores: building and tracing the candidates takes
-about a minute per model, and the default 5 rounds of 4 steps 3 minutes
-for the MLP and 1.5 for the language model: about 7 minutes in all. Run it as root in a network namespace of
-its own, as `streaming_diloco.py` says:
+Each worker runs `--inter_op_threads` (2) inter-op threads on its one
+core. A pack's collective launches when the one before it ends, on
+TensorFlow's inter-op thread pool; with TensorFlow's default for one core,
+a single thread, that launch waits for the kernel the thread is running (a
+whole matmul of the MLP's backward pass) while the link idles.
+`--inter_op_threads=0 --profile=mlp` shows it: with `--profile=MODEL`,
+after MODEL's rounds each worker profiles one `fit` call of `no_overlap`
+and of `overlap` (`step_profile.py`; one model a process, since a second
+profile in one process crashed TensorFlow once in three runs), and
+worker 0 prints a median step of each
+(when each collective ran, and what the executor ran while none did) and,
+with `--out` and matplotlib, draws both into `OUT_<model>_profile.png`.
 
-    unshare --net sh -c 'ip link set lo up && python benchmarks/overlap.py \
+Durations on 2 shared cores: building and tracing the candidates takes
+about 1.5 minutes per model, the default 5 rounds of 4 steps 4 minutes for
+the MLP and 2 for the language model, and `--profile` 1: about 10 minutes
+in all. Run it as root in a network namespace of its own, as
+`streaming_diloco.py` says:
+
+    unshare --net sh -c 'ip link set lo up && python benchmarks/overlap.py --profile=mlp \
         --out=benchmarks/results/overlap'
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -82,6 +98,7 @@ import tensorflow as tf  # noqa: E402
 import allreduce  # noqa: E402  (rounds, ratios)
 import multi_worker_allreduce  # noqa: E402  (--num_workers, our ops, fit timing)
 import stdlib_text  # noqa: E402  (the language model and its data)
+import step_profile  # noqa: E402  (what a profile says of a step)
 import tf_agn  # noqa: E402
 from tf_agn import _compat  # noqa: E402
 from tf_agn.collectives.packing import DEFAULT_BYTES_PER_PACK  # noqa: E402
@@ -94,6 +111,7 @@ MIN_SAVED_SHARE = 0.5  # of min(backward, communication)
 FULL_SPEED_MBIT = 100_000
 
 MODELS = ("mlp", "lm")
+PROFILED = ("no_overlap", "overlap")
 CANDIDATES = (
     "compute", "forward", "gradients", "communication", "overlap", "no_overlap", "tf_collectives",
 )
@@ -104,7 +122,7 @@ flags.DEFINE_integer(
     "mlp_link_mbit", 700, "Each worker's uplink for the MLP, Mbit/s (0: loopback at full speed)."
 )
 flags.DEFINE_integer(
-    "lm_link_mbit", 150, "Each worker's uplink for the language model, Mbit/s (0: full speed)."
+    "lm_link_mbit", 250, "Each worker's uplink for the language model, Mbit/s (0: full speed)."
 )
 flags.DEFINE_list("mlp_units", ["4096", "4096", "1024"], "The MLP's hidden layers' widths.")
 flags.DEFINE_integer("mlp_batch_size", 64, "The MLP's images per step, over all workers.")
@@ -113,6 +131,17 @@ flags.DEFINE_integer("lm_d_model", 256, "The language model's width.")
 flags.DEFINE_integer("lm_num_layers", 4, "The language model's Transformer blocks.")
 flags.DEFINE_integer("steps", 4, "Timed steps per candidate and round.")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per candidate after tracing.")
+flags.DEFINE_integer(
+    "inter_op_threads", 2,
+    "Each worker's TensorFlow inter-op threads (0: TensorFlow's default, one per core it may "
+    "use: 1 here; see the docstring).",
+)
+flags.DEFINE_enum(
+    "profile", None, list(MODELS),
+    "After its rounds, profile one fit call of no_overlap and of overlap of this model; worker "
+    "0 prints a median step of each and, with --out and matplotlib, draws them into "
+    "OUT_<model>_profile.png.",
+)
 flags.DEFINE_string("out", "", "If set, worker 0 writes the results to OUT.json.")
 FLAGS.set_default("repeats", 5)
 
@@ -201,6 +230,19 @@ def function_runner(step):
     return run
 
 
+def profiled_steps(runs):
+    """Runs `runs` (candidates' timed `fit` calls) in one profile; returns
+    the median `step_profile.Step` after the first of each call."""
+    with tempfile.TemporaryDirectory() as logdir:
+        # One profile for all: a second start and stop in one process can crash.
+        with step_profile.recording(logdir):
+            for run in runs:
+                run()
+        steps = step_profile.read_steps(logdir)
+    calls = [steps[i + 1:i + FLAGS.steps + 1] for i in range(0, len(steps), FLAGS.steps + 1)]
+    return [sorted(c, key=lambda step: step.duration)[len(c) // 2] for c in calls]
+
+
 def loss_step(strategy, model, loss, data, gradients):
     """A compiled step of the loss of `model` on the next batch of `data`,
     and of its gradients if `gradients`; nothing is sent or updated."""
@@ -237,7 +279,8 @@ def exchange_step(strategy, variables):
 
 
 def run_model(strategy, ours, stock, name, say):
-    """Times every candidate on model `name`; returns its results."""
+    """Times every candidate on model `name`; returns its results, and the
+    `step_profile.Step` profiled of each of `PROFILED` (if `--profile` is `name`)."""
     data = training_data(strategy, name)
     runners = {}
     for candidate in CANDIDATES:
@@ -265,6 +308,9 @@ def run_model(strategy, ours, stock, name, say):
         return lambda: seconds[candidate].append(runners[candidate]())
 
     allreduce.time_rounds({c: timed(c) for c in CANDIDATES}, FLAGS.repeats)
+    profiled = {}
+    if FLAGS.profile == name:
+        profiled = dict(zip(PROFILED, profiled_steps([runners[c] for c in PROFILED])))
     seconds = {c: np.array(s) for c, s in seconds.items()}
     params = fit_model.count_params()
     backward = seconds["gradients"] - seconds["forward"]
@@ -289,17 +335,22 @@ def run_model(strategy, ours, stock, name, say):
         f"  backward pass (gradients - forward): {1e3 * np.median(backward):.1f} ms; "
         f"overlap saves {1e3 * saved_median:.1f} ms a step"
     )
+    for candidate, step in profiled.items():
+        say(f"  {candidate}, profiled: " + "\n  ".join(step_profile.describe(step)))
     return {
         "parameters": params,
         "seconds_per_step": {c: s.tolist() for c, s in seconds.items()},
         "compute_share": compute_share,
         "saved": saved_median,
         "bound": bound,
-    }
+        "profiled": {c: step_profile.describe(step) for c, step in profiled.items()},
+    }, profiled
 
 
 def worker_main():
     tf.get_logger().setLevel("ERROR")
+    if FLAGS.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
     links = {name: FLAGS[f"{name}_link_mbit"].value for name in FLAGS.models}
     shaped = any(links.values())
     if shaped:
@@ -311,7 +362,9 @@ def worker_main():
     stock = _compat.cross_device_ops(strategy.extended)
     ours = multi_worker_allreduce.our_ops(strategy)
     is_chief, say = multi_worker_allreduce.announce(
-        strategy, PINNED_CORE, f"tf_collectives: {allreduce.describe_stock(strategy)}"
+        strategy, PINNED_CORE,
+        f"tf_collectives: {allreduce.describe_stock(strategy)}; inter-op threads: "
+        f"{FLAGS.inter_op_threads or 'TensorFlow default'}",
     )
     verdicts = []
     results = {}
@@ -321,7 +374,13 @@ def worker_main():
         say(f"\n== {name}, on {f'{links[name]} Mbit/s links' if links[name] else 'loopback'} ==")
         shaped_before = shaped_link.shaped_bytes() if shaped else 0
         loopback_before = multi_worker_allreduce.loopback_bytes_sent()
-        results[name] = result = run_model(strategy, ours, stock, name, say)
+        result, profiled = run_model(strategy, ours, stock, name, say)
+        results[name] = result
+        if is_chief and profiled and FLAGS.out and importlib.util.find_spec("matplotlib"):
+            path = f"{FLAGS.out}_{name}_profile.png"
+            titles = [f"{name}: {c}, {step.duration:.0f} ms" for c, step in profiled.items()]
+            step_profile.plot(list(profiled.values()), titles, path)
+            say(f"  Drew {path}")
         multi_worker_allreduce.sync_fn(strategy)().numpy()
         if links[name]:
             share = (shaped_link.shaped_bytes() - shaped_before) / (
@@ -348,6 +407,7 @@ def worker_main():
             "models", "mlp_link_mbit", "lm_link_mbit", "mlp_units", "mlp_batch_size",
             "lm_batch_size", "lm_d_model",
             "lm_num_layers", "context", "steps", "warmup_steps", "repeats", "num_workers",
+            "inter_op_threads",
         )}
         with open(f"{FLAGS.out}.json", "w") as out:
             json.dump({"config": config, "results": results, "verdicts": verdicts}, out, indent=1)
@@ -359,6 +419,10 @@ def main(argv):
     unknown = set(FLAGS.models) - set(MODELS)
     if unknown:
         raise app.UsageError(f"Unknown --models {sorted(unknown)}; allowed: {', '.join(MODELS)}.")
+    if FLAGS.profile and FLAGS.profile not in FLAGS.models:
+        raise app.UsageError(
+            f"--profile={FLAGS.profile} is not among --models={','.join(FLAGS.models)}."
+        )
     if FLAGS.num_workers != 2:
         raise app.UsageError(
             "A shaped link limits what each worker sends, not what it receives: "

@@ -239,12 +239,12 @@ def test_streaming_diloco_throughput_runs_on_shaped_links_and_reports():
 
 @pytest.mark.slow
 def test_overlap_runs_and_reports(tmp_path):
-    # Tiny models on full-speed loopback, 1 round of 2 steps: start-up and
-    # tracing six candidates per model are most of it.
+    # Tiny models on full-speed loopback, 1 round of 2 steps, then a profile:
+    # start-up and tracing six candidates per model are most of it.
     result = run_python(
         OVERLAP, "--models=mlp,lm", "--mlp_link_mbit=0", "--lm_link_mbit=0", "--mlp_units=32,32",
         "--mlp_batch_size=8", "--lm_d_model=16", "--lm_num_layers=1", "--lm_batch_size=8", "--context=16",
-        "--steps=2", "--warmup_steps=1", "--repeats=1", f"--out={tmp_path / 'overlap'}",
+        "--steps=2", "--warmup_steps=1", "--repeats=1", "--profile=mlp", f"--out={tmp_path / 'overlap'}",
         timeout=300,
     )
     out = result.stdout
@@ -261,3 +261,15 @@ def test_overlap_runs_and_reports(tmp_path):
     # 784-32-32-10: 784*32 + 32 + 32*32 + 32 + 32*10 + 10.
     assert saved["results"]["mlp"]["parameters"] == 26_506
     assert len(saved["verdicts"]) == 4
+    # The MLP's profiled steps: the backward pass, then one line a collective.
+    profiles = re.findall(
+        r"^  (no_overlap|overlap), profiled: step [\d.]+ ms; backward pass from ([\d.]+) to "
+        r"([\d.]+) ms; \d+ executor thread\(s\)\n((?:    collective \d+: .*\n)+)", out, re.M
+    )
+    assert [name for name, *_ in profiles] == ["no_overlap", "overlap"], out
+    for _, start, stop, _ in profiles:
+        assert float(start) <= float(stop), out
+    assert list(saved["results"]["mlp"]["profiled"]) == ["no_overlap", "overlap"]
+    assert saved["results"]["lm"]["profiled"] == {}
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "overlap_mlp_profile.png").stat().st_size > 0

@@ -229,6 +229,20 @@ def test_built_variables_and_learning_rate_source():
     assert _compat.learning_rate_source(keras.optimizers.SGD(schedule)) is schedule
 
 
+def test_read_xspace_reads_the_kernels_a_profile_recorded(tmp_path):
+    @tf.function
+    def product(a):
+        return tf.matmul(a, a, name="profiled_product")
+
+    tf.profiler.experimental.start(str(tmp_path))
+    product(tf.ones((64, 64))).numpy()
+    tf.profiler.experimental.stop()
+    (path,) = tmp_path.glob("**/*.xplane.pb")
+    (host,) = [p for p in _compat.read_xspace(str(path)).planes if p.name == "/host:CPU"]
+    names = [host.event_metadata[e.metadata_id].name for line in host.lines for e in line.events]
+    assert any(name.endswith("profiled_product:MatMul") for name in names), names
+
+
 def test_aggregating_overrides_keras_optimizer_hooks():
     """`tf_agn.optimizers.Aggregating` overrides these Keras hooks; `apply`
     must still go through each of them."""

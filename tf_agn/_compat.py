@@ -27,6 +27,9 @@ From TensorFlow:
   `ops.get_default_graph().capture_call_time_value` and `_unique_id`:
   worker-local variables that keep their program order
   (`ordered_per_worker`).
+- `tsl.profiler.protobuf.xplane_pb2.XSpace`: the file the profiler writes
+  (`*.xplane.pb`), which no public API reads; `benchmarks/step_profile.py`
+  reads when kernels and collectives ran (`read_xspace`).
 
 From Keras:
 
@@ -590,3 +593,15 @@ def unreadable_keras_file(path):
             f"Keras {keras.__version__} cannot read: {cause}"
         )
     return None
+
+
+def read_xspace(path):
+    """The profiler trace in `path` (a `*.xplane.pb` file that
+    `tf.profiler.experimental` wrote), as an `XSpace` message."""
+    # Imported on use: only the benchmarks read traces.
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as trace:
+        space.ParseFromString(trace.read())
+    return space
