@@ -65,8 +65,8 @@ worker 0 prints a median step of each
 (when each collective ran, and what the executor ran while none did) and,
 with `--out` and matplotlib, draws both into `OUT_<model>_profile.png`.
 
-Durations on 2 shared cores: about 12 minutes in all. Run it as root in a network namespace of its own, as
-`streaming_diloco.py` says:
+Durations on 2 shared cores: about 12 minutes in all. Run it as root in
+a network namespace of its own, as `streaming_diloco.py` says:
 
     unshare --net sh -c 'ip link set lo up && python benchmarks/overlap.py --profile=mlp \
         --out=benchmarks/results/overlap'
