@@ -24,7 +24,7 @@ def run_example(path, *args, timeout=300, returncode=0):
     A fresh process splits its CPU itself (`--cpu_replicas`), whatever this
     one did.
     """
-    # The PowerSGD run takes 33 s alone and 55-76 s beside two others on
+    # The PowerSGD run takes 33 s alone and 53-108 s beside two others on
     # 2 cores; under CI's load it once passed 120 s.
     return run_python(path, *args, timeout=timeout, returncode=returncode).stdout
 
