@@ -24,11 +24,17 @@ def data():
     return x, y
 
 
-# Optimizers the restart tests train with besides AGN, by name.
+# Optimizers the restart tests train with besides AGN, by name: every kind
+# of state a backup holds (AGN's per-replica window, sharded moments,
+# accumulators, error feedback's residuals, a fragment's exchange in flight).
 OPTIMIZERS = {
     "agn": None,
     "adam": lambda: tf_agn.optimizers.Adam(0.05),
     "adam_sharded": lambda: tf_agn.optimizers.Adam(0.05, shard_optimizer_state=True),
+    "accumulation": lambda: tf_agn.optimizers.Adam(0.05, gradient_accumulation_steps=3),
+    "int8": lambda: tf_agn.optimizers.Adam(
+        0.05, compression=tf_agn.compression.Int8(chunk_size=8)
+    ),
     # H = 6, F = 2, τ = 2: an exchange is in flight after steps ≡ 2 and 5 (mod 6).
     "streaming_diloco": lambda: tf_agn.optimizers.StreamingDiLoCo(
         keras.optimizers.Adam(0.05), local_steps=6, num_fragments=2, sync_delay=2

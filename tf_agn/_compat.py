@@ -27,6 +27,11 @@ From TensorFlow:
   `ops.get_default_graph().capture_call_time_value` and `_unique_id`:
   worker-local variables that keep their program order
   (`ordered_per_worker`).
+- `context.context().set_config_key_value` and `get_config_key_value`:
+  the coordination service's key-value store, which every
+  `MultiWorkerMirroredStrategy` worker reaches and no public API exposes;
+  preemption notices agree on their step through it (`set_key_value`,
+  `get_key_value`).
 - `tsl.profiler.protobuf.xplane_pb2.XSpace`: the file the profiler writes
   (`*.xplane.pb`), which no public API reads; `benchmarks/step_profile.py`
   reads when kernels and collectives ran (`read_xspace`).
@@ -114,6 +119,7 @@ from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_op
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
 from tensorflow.python.distribute import ps_values as _tf_ps_values
 from tensorflow.python.distribute import values as _tf_values
+from tensorflow.python.eager import context as _tf_context
 from tensorflow.python.framework import ops as _tf_framework_ops
 from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
 
@@ -593,6 +599,18 @@ def unreadable_keras_file(path):
             f"Keras {keras.__version__} cannot read: {cause}"
         )
     return None
+
+
+def set_key_value(key, value):
+    """Sets `key` to the string `value` in the cluster's coordination
+    service; raises `tf.errors.AlreadyExistsError` if it is set."""
+    _tf_context.context().set_config_key_value(key, value)
+
+
+def get_key_value(key, timeout_ms):
+    """`key`'s value in the cluster's coordination service, waiting up to
+    `timeout_ms` for it to be set (`tf.errors.DeadlineExceededError`)."""
+    return _tf_context.context().get_config_key_value(key, timeout_ms)
 
 
 def read_xspace(path):

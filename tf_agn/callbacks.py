@@ -4,6 +4,8 @@ import keras
 
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.resuming.backup_and_restore import BackupAndRestore  # noqa: F401
+from tf_agn.resuming.preemption import PREEMPTED_EXIT_CODE  # noqa: F401
+from tf_agn.resuming.preemption import Preempted  # noqa: F401
 
 
 def _unwrap(optimizer, cls):

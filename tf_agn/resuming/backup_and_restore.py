@@ -1,7 +1,9 @@
 """`BackupAndRestore`: fault-tolerant `fit` for one process or many workers
 sharing one backup directory, restoring every replica's own state."""
 
+import itertools
 import os
+import signal
 import warnings
 
 import keras
@@ -12,6 +14,9 @@ from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_files import POINTER  # noqa: F401  (part of this module's interface)
 from tf_agn.resuming.backup_files import BackupFiles
 from tf_agn.resuming.backup_files import Task
+from tf_agn.resuming.preemption import PreemptionNotice
+from tf_agn.resuming.preemption import Preempted
+from tf_agn.resuming.preemption import check_notice
 from tf_agn.resuming.replica_state import assign_every_copy
 from tf_agn.resuming.replica_state import assign_local_copies
 from tf_agn.resuming.replica_state import local_copies
@@ -33,6 +38,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     K`, systemd, Kubernetes). A backup also resumes on another number of
     workers or replicas (`tf_agn.resuming.resizing`).
 
+    On a preemption notice (SIGTERM by default) every worker finishes one
+    agreed step, backs up after it and raises `tf_agn.resuming.Preempted`,
+    a `SystemExit` whose code, 75, asks the supervisor for a restart that
+    is not a failure; the restarted run trains no step twice.
+
     Example:
 
     ```python
@@ -52,16 +62,26 @@ class BackupAndRestore(keras.callbacks.Callback):
             n >= 1 to back up every n batches.
         delete_checkpoint: whether the chief deletes the backup when `fit`
             ends normally.
+        preemption_notice: what tells this worker it will be preempted: a
+            signal (default `signal.SIGTERM`, watched during `fit` when it
+            runs in the main thread), a callable polled after every step
+            that returns True once notified, a path whose appearance is the
+            notice, or None to watch nothing. A notice on any worker stops
+            every worker after the same step.
 
     Raises:
-        ValueError: for a bad `backup_dir` or `save_freq`; from `fit`, for
+        ValueError: for a bad `backup_dir`, `save_freq` or
+            `preemption_notice`; from `fit`, for
             a backup of another model or optimizer, or state that cannot be
             shared out on another cluster shape.
         OSError: if `backup_dir` or a backup cannot be written, or the
             pointer names a missing file.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+    def __init__(
+        self, backup_dir, save_freq="epoch", delete_checkpoint=True,
+        preemption_notice=signal.SIGTERM,
+    ):
         super().__init__()
         if not backup_dir:
             raise ValueError("backup_dir must be a directory path; received an empty one.")
@@ -75,6 +95,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
+        self.preemption_notice = check_notice(preemption_notice)
         os.makedirs(self.backup_dir, exist_ok=True)
         if not os.access(self.backup_dir, os.W_OK | os.X_OK):
             raise PermissionError(
@@ -83,12 +104,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restored = None  # the pointer restored from, if any
         self._metric_arrays = None  # the restored epoch's metrics, until it begins
         self._batch_skipper = None
+        self._preemption = None
 
     def get_config(self):
         return {
             "backup_dir": self.backup_dir,
             "save_freq": self.save_freq,
             "delete_checkpoint": self.delete_checkpoint,
+            "preemption_notice": self.preemption_notice,
         }
 
     # Keras hooks ---------------------------------------------------------
@@ -102,12 +125,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         self._task = Task.of(strategy)
         self._files = BackupFiles(self.backup_dir, self._task)
+        if self.preemption_notice is not None:
+            # Every worker runs the same fits in the same order, so their
+            # keys agree; a later fit in this process never reads these.
+            self._preemption = PreemptionNotice(
+                self.preemption_notice, self._task.all_names, self._task.name,
+                f"tf_agn/preemption/{next(_FITS)}",
+            )
+            self._preemption.start()
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         self._files.remove_temporary_files()
         self._epoch, self._step, self._steps_since_save = 0, 0, 0
+        self._calls = 0  # train-function calls trained in this fit
         self._next_checkpoint = 0
         self._restored = self._files.read_pointer()
         if self._restored is not None:
@@ -135,25 +167,45 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._steps_since_save += step - self._step
         self._step = step
-        if self.save_freq != "epoch" and self._steps_since_save >= self.save_freq:
+        self._calls += 1
+        preempted = (
+            self._preemption is not None
+            and self._preemption.stop_step(self._calls) == self._calls
+        )
+        if preempted or (
+            self.save_freq != "epoch" and self._steps_since_save >= self.save_freq
+        ):
             self._steps_since_save = 0
             if step == self.params.get("steps"):
                 self._save(self._epoch + 1, 0)
             else:
                 self._save(self._epoch, step)
+        if preempted:
+            self._end()
+            raise Preempted(self._calls)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        if self.delete_checkpoint and self._task.is_chief:
+            self._files.delete_backup()
+        # A notice after the last step: training is done, so the signal
+        # takes its old course (a supervisor's SIGTERM still stops us).
+        self._end(redeliver=True)
+
+    def _end(self, redeliver=False):
+        """Leaves `fit`: the model's own train function and start epoch,
+        and no notice watched."""
         if self._batch_skipper is not None:
             self._batch_skipper.stop()
             self._batch_skipper = None
         _compat.set_initial_epoch(self.model, None)
         self._restored = None
-        if self.delete_checkpoint and self._task.is_chief:
-            self._files.delete_backup()
+        if self._preemption is not None:
+            self._preemption.stop(redeliver=redeliver)
+            self._preemption = None
 
     # Saving and restoring ------------------------------------------------
 
@@ -222,6 +274,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         _compat.set_initial_epoch(self.model, pointer["epoch"])
         if pointer["step"]:
             self._batch_skipper = _BatchSkipper(self.model, pointer["step"])
+
+
+# Numbers the fits that watch for notices, alike on every worker.
+_FITS = itertools.count()
 
 
 def _resumed_step(pointer, steps_per_epoch):
