@@ -77,7 +77,7 @@ def stop(processes):
 def detection_time(workdir):
     """Runs both workers unsupervised; returns (seconds from worker 1's
     kill to worker 0's exit, worker 0's exit code, its error)."""
-    from tf_agn.strategies.launch import multi_worker_tf_configs
+    from tf_agn.strategies.worker_group import multi_worker_tf_configs
 
     processes = []
     try:

@@ -17,15 +17,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import typing
 
-from tf_agn.strategies import server
+from tf_agn.resuming.preemption import PREEMPTED_EXIT_CODE
+from tf_agn.strategies import heartbeat
+from tf_agn.strategies import worker_group
 from tf_agn.strategies.cluster import LocalCluster
-from tf_agn.strategies.ports import free_ports
-
-# How long an interrupted command gets to exit before it is killed.
-_INTERRUPT_GRACE_S = 10
+from tf_agn.strategies.worker_group import Outcome
 
 
 def parse_args(argv):
@@ -39,7 +36,8 @@ def parse_args(argv):
         description="Runs COMMAND as the coordinator of a local cluster.",
         usage=(
             "%(prog)s [--workers N] [--ps N] [--start_timeout S] -- COMMAND ...\n"
-            "       %(prog)s --multi_worker N [--max_restarts K] -- COMMAND ..."
+            "       %(prog)s --multi_worker N [--max_restarts K] [--min_workers M]\n"
+            "           [--slot_failures F] [--hang_timeout S] -- COMMAND ..."
         ),
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks")
@@ -64,6 +62,28 @@ def parse_args(argv):
         help="with --multi_worker: how many times to restart every worker "
         "when one fails (default 0: stop and exit with its code)",
     )
+    parser.add_argument(
+        "--min_workers",
+        type=int,
+        default=None,
+        help="with --multi_worker: the fewest workers the job goes on with; a "
+        "slot that fails --slot_failures times in a row is dropped while more "
+        "remain (default N: none is dropped)",
+    )
+    parser.add_argument(
+        "--slot_failures",
+        type=int,
+        default=2,
+        help="with --min_workers: failures in a row that drop a slot (default 2)",
+    )
+    parser.add_argument(
+        "--hang_timeout",
+        type=float,
+        default=heartbeat.DEFAULT_HANG_TIMEOUT_S,
+        help="with --multi_worker: seconds without a heartbeat after which a "
+        "worker is hung, killed and handled as failed (default "
+        f"{heartbeat.DEFAULT_HANG_TIMEOUT_S:g}; 0: never)",
+    )
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         parser.error("give the command to run after '--'")
     split = argv.index("--")
@@ -74,14 +94,25 @@ def parse_args(argv):
         parser.error(f"--multi_worker must be >= 1; received {options.multi_worker}")
     if options.max_restarts < 0:
         parser.error(f"--max_restarts must be >= 0; received {options.max_restarts}")
-    if options.max_restarts and not options.multi_worker:
-        parser.error("--max_restarts applies to --multi_worker clusters only")
+    for name in ("max_restarts", "min_workers"):
+        if getattr(options, name) and not options.multi_worker:
+            parser.error(f"--{name} applies to --multi_worker clusters only")
+    n = options.multi_worker
+    if options.min_workers is not None and not 1 <= options.min_workers <= (n or 1):
+        parser.error(
+            f"--min_workers must be between 1 and --multi_worker ({n}); received "
+            f"{options.min_workers}"
+        )
+    if options.slot_failures < 1:
+        parser.error(f"--slot_failures must be >= 1; received {options.slot_failures}")
+    # Below 3 beats a worker descheduled for a moment would count as hung.
+    min_timeout = 3 * heartbeat.BEAT_INTERVAL_S
+    if options.hang_timeout != 0 and not options.hang_timeout >= min_timeout:
+        parser.error(
+            f"--hang_timeout must be 0 (never) or at least {min_timeout:g} seconds; "
+            f"received {options.hang_timeout:g}"
+        )
     return options, argv[split + 1 :]
-
-
-def _exit_code(returncode):
-    """A `Popen.returncode` as a shell reports it: 128 + N for signal N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def run(command, env):
@@ -97,11 +128,11 @@ def run(command, env):
         # interrupt (e.g. SIGTERM to the launcher) is passed on.
         process.send_signal(signal.SIGINT)
         try:
-            returncode = process.wait(_INTERRUPT_GRACE_S)
+            returncode = process.wait(worker_group.INTERRUPT_GRACE_S)
         except subprocess.TimeoutExpired:
             process.kill()
             returncode = process.wait()
-    return _exit_code(returncode)
+    return worker_group.exit_code(returncode)
 
 
 def _interrupt(signum, frame):
@@ -109,139 +140,124 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def multi_worker_tf_configs(num_workers):
-    """One `TF_CONFIG` per worker of a cluster on free localhost ports."""
-    cluster = {"worker": [f"localhost:{port}" for port in free_ports(num_workers)]}
-    return [
-        {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        for index in range(num_workers)
-    ]
+class _Slots:
+    """The launcher's worker slots: which take part in the next group, and
+    how many times in a row each has ended a group by failing."""
 
+    def __init__(self, num_workers, min_workers, slot_failures):
+        self.active = list(range(num_workers))
+        self.dropped = []
+        self._min_workers, self._slot_failures = min_workers, slot_failures
+        self._in_a_row = [0] * num_workers
 
-def _relay(stream, prefix):
-    """Copies `stream` to stdout, each line after `prefix`."""
-    for line in stream:
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
-
-
-def _describe_exit(returncode):
-    """How a process ended, in words: "exited with code 5" or "was killed
-    by SIGKILL"."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
-
-
-class WorkerFailure(typing.NamedTuple):
-    """The first worker of a group that ended with an error."""
-
-    index: int
-    returncode: int  # Popen's: negative for a signal
-
-
-def run_worker_group(command, num_workers):
-    """Runs `command` once as every worker of a fresh local multi-worker
-    cluster (new free ports, new `TF_CONFIG`s), until all succeed or one
-    fails; then no worker is left running. Worker 0's output passes
-    through; every other line is prefixed with "[worker i]".
-
-    Returns:
-        None if every worker exits with 0, else the `WorkerFailure` of the
-        first worker seen failing.
-
-    Raises:
-        KeyboardInterrupt: on Ctrl-C or SIGTERM, after every worker has
-            been given `_INTERRUPT_GRACE_S` to exit on SIGINT and killed.
-    """
-    tf_configs = multi_worker_tf_configs(num_workers)
-    addresses = tf_configs[0]["cluster"]["worker"]
-    print(f"Local multi-worker cluster: {', '.join(addresses)}", flush=True)
-    print(server.exposure_notice(addresses), flush=True)
-    processes, relays = [], []
-    try:
-        for index, tf_config in enumerate(tf_configs):
-            env = dict(os.environ, TF_CONFIG=json.dumps(tf_config))
-            pipe = subprocess.PIPE if index else None
-            process = subprocess.Popen(
-                command, env=env, stdout=pipe, stderr=subprocess.STDOUT if index else None,
-                text=True,
+    def after(self, result):
+        """Counts the ended group's `result` against its slot, drops a slot
+        that failed `slot_failures` times in a row while `min_workers`
+        remain, and takes back the slots dropped before; returns a line per
+        change."""
+        back, self.dropped = self.dropped, []
+        lines = []
+        for slot in self.active:
+            self._in_a_row[slot] = self._in_a_row[slot] + 1 if slot == result.slot else 0
+        if (
+            result.slot is not None
+            and self._in_a_row[result.slot] >= self._slot_failures
+            and len(self.active) > self._min_workers
+        ):
+            self.active.remove(result.slot)
+            self.dropped.append(result.slot)
+            lines.append(
+                f"Worker slot {result.slot} failed {self._in_a_row[result.slot]} times in a "
+                f"row: dropped; the job goes on with {len(self.active)} workers "
+                f"(--min_workers {self._min_workers})."
             )
-            processes.append(process)
-            if index:
-                relay = threading.Thread(
-                    target=_relay, args=(process.stdout, f"[worker {index}] "), daemon=True
-                )
-                relay.start()
-                relays.append(relay)
-        while True:
-            codes = [p.poll() for p in processes]
-            for index, code in enumerate(codes):
-                # The `finally` stops the others: they would wait for the
-                # failed worker for ever.
-                if code not in (None, 0):
-                    return WorkerFailure(index, code)
-            if all(c == 0 for c in codes):
-                return None
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + _INTERRUPT_GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            time.sleep(0.1)
-        raise
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        for relay in relays:
-            relay.join(timeout=5)
+        if back:
+            self.active = sorted(self.active + back)
+            lines.append(
+                f"Worker slot(s) {back} rejoin: the job grows back to {len(self.active)} "
+                "workers."
+            )
+        return lines
 
 
-def run_workers(command, num_workers, max_restarts=0):
+def run_workers(
+    command, num_workers, max_restarts=0, min_workers=None, slot_failures=2,
+    hang_timeout_s=heartbeat.DEFAULT_HANG_TIMEOUT_S, preemption_grace_s=120.0,
+):
     """Runs `command` as every worker of a local multi-worker cluster,
-    restarting the whole group when a worker fails.
+    restarting the whole group when a worker fails, hangs or is preempted.
 
     A failure stops every worker; then, up to `max_restarts` times, a new
-    group starts on fresh ports. Training resumes only if the command
-    restores itself (`tf_agn.callbacks.BackupAndRestore`). Each failure is
-    printed: which worker, how it ended, and whether a restart follows.
-    Ctrl-C and SIGTERM stop everything and never restart.
+    group starts on fresh ports. A worker whose heartbeat
+    (`tf_agn.strategies.heartbeat`) is older than `hang_timeout_s` is
+    killed and counts as failed. A group whose workers all exit with
+    `PREEMPTED_EXIT_CODE` (75: every worker backed up at one step) restarts
+    without counting a failure. With `min_workers` below `num_workers`, a
+    slot that ends `slot_failures` groups in a row is dropped, and the
+    next groups run without it (the command resumes on fewer workers,
+    `tf_agn.callbacks.BackupAndRestore`); a dropped slot rejoins at the
+    restart after that. SIGTERM to the launcher is passed on to every
+    worker (a preemption notice); Ctrl-C stops everything, never
+    restarting. Each event is printed.
 
     Args:
         command: the command line every worker runs.
         num_workers: how many workers.
         max_restarts: how many times a failed group is started again.
+        min_workers: the fewest workers the job goes on with (default
+            `num_workers`: no slot is dropped).
+        slot_failures: how many failures in a row drop a slot.
+        hang_timeout_s: seconds without a heartbeat that make a worker
+            hung; None never kills one.
+        preemption_grace_s: once one worker exits preempted, how long the
+            others have to finish their backup.
 
     Returns:
-        0 if a group succeeds, else the last failure's exit code (128 + N
+        0 if a group succeeds; 75 if the launcher was sent SIGTERM and
+        every worker backed up; else the last failure's exit code (128 + N
         for a worker killed by signal N, 128 + SIGINT when interrupted).
     """
-    # A multi-worker cluster cannot go on without one of its workers (the
-    # others' collectives fail): a failure restarts the whole group.
-    for attempt in range(max_restarts + 1):
+    slots = _Slots(num_workers, min_workers or num_workers, slot_failures)
+    terminated = []
+    restarts = groups = 0
+    while True:
+        group = worker_group.WorkerGroup(
+            command, slots.active, hang_timeout_s, preemption_grace_s, restart_count=groups
+        )
+        groups += 1
+        old_handler = signal.signal(
+            signal.SIGTERM, lambda signum, frame: (terminated.append(signum), group.forward(signum))
+        ) if threading.current_thread() is threading.main_thread() else None
         try:
-            failure = run_worker_group(command, num_workers)
+            result = group.run()
         except KeyboardInterrupt:
             return 128 + signal.SIGINT
-        if failure is None:
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGTERM, old_handler)
+        if result.outcome is Outcome.DONE:
             return 0
-        what = f"Worker {failure.index} {_describe_exit(failure.returncode)}"
-        if attempt == max_restarts:
+        if result.outcome is Outcome.PREEMPTED:
+            if terminated:
+                print("Every worker backed up after a preemption notice; exiting with "
+                      f"{PREEMPTED_EXIT_CODE}.", flush=True)
+                return PREEMPTED_EXIT_CODE
+            print("Every worker backed up after a preemption notice; restarting every "
+                  "worker (not counted as a failure).", flush=True)
+            for line in slots.after(result):
+                print(line, flush=True)
+            continue
+        how = ("stopped sending heartbeats and was killed" if result.outcome is Outcome.HUNG
+               else worker_group.describe_exit(result.returncode))
+        what = f"Worker slot {result.slot} {how}"
+        if terminated or restarts == max_restarts:
             print(f"{what}; stopped every worker.", flush=True)
-            return _exit_code(failure.returncode)
-        print(
-            f"{what}; restarting every worker (restart {attempt + 1} of "
-            f"{max_restarts}).",
-            flush=True,
-        )
+            return worker_group.exit_code(result.returncode or -signal.SIGKILL)
+        restarts += 1
+        print(f"{what}; restarting every worker (restart {restarts} of {max_restarts}).",
+              flush=True)
+        for line in slots.after(result):
+            print(line, flush=True)
 
 
 def main(argv=None):
@@ -254,11 +270,15 @@ def main(argv=None):
     servers are torn down however the command ends, Ctrl-C included.
     """
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.multi_worker:
+        # SIGTERM is passed on to every worker, as a preemption notice.
+        return run_workers(
+            command, args.multi_worker, args.max_restarts, args.min_workers,
+            args.slot_failures, args.hang_timeout or None,
+        )
     # SIGTERM takes the Ctrl-C path: the command is stopped and the
     # cluster torn down.
     signal.signal(signal.SIGTERM, _interrupt)
-    if args.multi_worker:
-        return run_workers(command, args.multi_worker, args.max_restarts)
     with LocalCluster(
         args.workers, args.ps, mode="processes", start_timeout=args.start_timeout
     ) as cluster:

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_agn import _compat
 from tf_agn.collectives import agreement
 from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
+from tf_agn.strategies import heartbeat
 from tf_agn.strategies import rendezvous
 from tf_agn.strategies import tf_config
 
@@ -128,6 +129,9 @@ def multi_worker_mirrored(
     model.fit(x, y, batch_size=256, epochs=2)
     ```
     """
+    # First: a supervisor that watches heartbeats sees this worker alive
+    # through the waits below and every long step after.
+    heartbeat.start_from_environment()
     if ops_kwargs.get("transport", "collective") != "collective":
         raise ValueError(
             'multi_worker_mirrored reduces across workers: transport must be '

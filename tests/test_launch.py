@@ -3,12 +3,14 @@
 processes, and their argument checks in this one."""
 
 import json
+import os
 import pathlib
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -244,3 +246,167 @@ def test_launch_multi_worker_stops_every_worker_when_one_fails(tmp_path):
     assert result.returncode == 5, result.stdout + result.stderr
     assert "worker 0 of 3" in result.stdout
     assert "[worker 1] worker 1 of 3" in result.stdout
+
+
+# Recovery: preemption, hangs, slots ------------------------------------------
+# The workers here are plain Python (no TensorFlow), each run recorded in
+# STATE_DIR: "start-<slot>-<attempt>" once started (attempt: the launcher's
+# TF_AGN_RESTART_COUNT + 1). They beat through
+# strategies/heartbeat.py loaded by path, as `multi_worker_mirrored` does.
+RECOVERY_WORKER = """
+import importlib.util, json, os, pathlib, signal, sys, time
+spec = importlib.util.spec_from_file_location("heartbeat", os.environ["HEARTBEAT_PY"])
+heartbeat = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(heartbeat)
+assert heartbeat.start_from_environment()
+slot = int(os.environ["TF_AGN_WORKER_SLOT"])
+workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+state = pathlib.Path(os.environ["STATE_DIR"])
+attempt = int(os.environ["TF_AGN_RESTART_COUNT"]) + 1
+(state / f"start-{slot}-{attempt}").touch()
+print(f"slot {slot} attempt {attempt} of {workers} workers", flush=True)
+deadline = time.monotonic() + 30
+while len(list(state.glob(f"start-*-{attempt}"))) < workers and time.monotonic() < deadline:
+    time.sleep(0.02)
+exec(os.environ["PLAN"])
+"""
+
+
+def _recover(tmp_path, launcher_args, plan, timeout=120, after_start=None):
+    """Runs RECOVERY_WORKER under the launcher with `plan` (Python run by
+    each worker once all of its group started, with `slot`, `attempt`,
+    `workers` and `state` set); returns (exit code, output)."""
+    env = checkout_env(
+        STATE_DIR=str(tmp_path), PLAN=plan,
+        HEARTBEAT_PY=str(pathlib.Path(launch.__file__).parent / "heartbeat.py"),
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_agn.strategies.launch", *launcher_args, "--",
+         sys.executable, "-c", RECOVERY_WORKER],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        if after_start is not None:
+            after_start(process)
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return process.returncode, output
+
+
+def test_a_preempted_group_waits_for_every_backup_and_restarts_uncounted(tmp_path):
+    # Attempt 1: slot 0 exits preempted at once, slot 1 a second later (its
+    # backup is slower); attempt 2 succeeds. No restart is allowed.
+    plan = """
+if attempt == 1:
+    time.sleep(slot)
+    print(f"slot {slot} backed up", flush=True)
+    sys.exit(75)
+"""
+    code, output = _recover(tmp_path, ["--multi_worker", "2"], plan)
+    assert code == 0, output
+    assert "[worker 1] slot 1 backed up" in output, output  # not killed early
+    assert ("Every worker backed up after a preemption notice; restarting every worker "
+            "(not counted as a failure).") in output
+    assert "slot 1 attempt 2 of 2 workers" in output
+
+
+def test_sigterm_to_the_launcher_is_every_workers_notice_and_it_exits_75(tmp_path):
+    plan = """
+signal.signal(signal.SIGTERM, lambda *a: (print(f"slot {slot} noticed", flush=True), sys.exit(75)))
+time.sleep(600)
+"""
+
+    def terminate_once_started(process):
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("start-*-1"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # past their signal.signal
+        process.send_signal(signal.SIGTERM)
+
+    code, output = _recover(tmp_path, ["--multi_worker", "2", "--max_restarts", "3"], plan,
+                            after_start=terminate_once_started)
+    assert code == 75, output
+    assert "slot 0 noticed" in output and "[worker 1] slot 1 noticed" in output, output
+    assert output.rstrip().endswith("exiting with 75."), output
+    assert output.count("Local multi-worker cluster") == 1, output
+
+
+def test_a_hung_worker_is_killed_within_the_timeout_and_a_busy_one_is_not(tmp_path):
+    # Attempt 1: slot 1 stops itself (SIGSTOP), as a frozen host would.
+    # Attempt 2: slot 0 is busy for twice the timeout, still beating.
+    plan = """
+if attempt == 1:
+    if slot == 1:
+        (state / "stopped").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(600)
+if slot == 0:
+    time.sleep(8)
+"""
+    code, output = _recover(
+        tmp_path, ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "4"], plan
+    )
+    assert code == 0, output
+    assert ("Worker slot 1 stopped sending heartbeats and was killed; restarting every "
+            "worker (restart 1 of 1).") in output, output
+    # Detected within the timeout, a beat and the launcher's poll, plus the
+    # new group's start.
+    stopped = float((tmp_path / "stopped").read_text())
+    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
+    assert 4 - 1 < restarted - stopped < 4 + 1 + 4, restarted - stopped
+
+
+def test_a_slot_that_keeps_failing_is_dropped_and_rejoins_at_a_later_restart(tmp_path):
+    # Slot 2 never comes up; in the first group of 2, slot 1 fails once.
+    plan = """
+if slot == 2:
+    sys.exit(9)
+if slot == 1 and workers == 2 and attempt == 3:
+    sys.exit(7)
+"""
+    code, output = _recover(
+        tmp_path,
+        ["--multi_worker", "3", "--min_workers", "2", "--slot_failures", "2",
+         "--max_restarts", "4"],
+        plan,
+    )
+    assert code == 0, output
+    events = [line for line in output.splitlines()
+              if line.startswith(("Worker slot", "slot 0 attempt"))]
+    assert events == [
+        "slot 0 attempt 1 of 3 workers",
+        "Worker slot 2 exited with code 9; restarting every worker (restart 1 of 4).",
+        "slot 0 attempt 2 of 3 workers",
+        "Worker slot 2 exited with code 9; restarting every worker (restart 2 of 4).",
+        "Worker slot 2 failed 2 times in a row: dropped; the job goes on with 2 workers "
+        "(--min_workers 2).",
+        "slot 0 attempt 3 of 2 workers",
+        "Worker slot 1 exited with code 7; restarting every worker (restart 3 of 4).",
+        "Worker slot(s) [2] rejoin: the job grows back to 3 workers.",
+        "slot 0 attempt 4 of 3 workers",
+        "Worker slot 2 exited with code 9; restarting every worker (restart 4 of 4).",
+        "Worker slot 2 failed 3 times in a row: dropped; the job goes on with 2 workers "
+        "(--min_workers 2).",
+        "slot 0 attempt 5 of 2 workers",
+    ], output
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--multi_worker", "3", "--min_workers", "0"], "--min_workers must be between 1 and "
+     "--multi_worker (3); received 0"),
+    (["--multi_worker", "3", "--min_workers", "4"], "received 4"),
+    (["--min_workers", "1"], "--min_workers applies to --multi_worker clusters only"),
+    (["--multi_worker", "2", "--slot_failures", "0"], "--slot_failures must be >= 1; received 0"),
+    (["--multi_worker", "2", "--hang_timeout", "1"],
+     "--hang_timeout must be 0 (never) or at least 3 seconds; received 1"),
+])
+def test_launch_refuses_bad_recovery_settings(capsys, argv, error):
+    with pytest.raises(SystemExit):
+        launch.parse_args([*argv, "--", "python"])
+    assert error in capsys.readouterr().err

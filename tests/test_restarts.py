@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import restart_model
 import tf_agn
+from cluster_checks import default_sigint
 from conftest import DEVICES
 from scripts import checkout_env
 from tf_agn.optimizers import saving
@@ -474,7 +475,7 @@ def test_bad_backup_dir_is_refused_and_config_round_trips(tmp_path):
                                                  delete_checkpoint=False)
     config = callback.get_config()
     assert config == {"backup_dir": str(tmp_path / "b"), "save_freq": 7,
-                      "delete_checkpoint": False}
+                      "delete_checkpoint": False, "preemption_notice": signal.SIGTERM}
     assert tf_agn.callbacks.BackupAndRestore(**config).get_config() == config
 
 
@@ -541,8 +542,8 @@ def test_launch_restarts_every_worker_on_fresh_ports_until_one_run_succeeds(tmp_
         [sys.executable, "-c", FAILS_TWICE], _env(STATE_DIR=str(tmp_path)),
     )
     assert code == 0, output
-    assert "Worker 1 was killed by SIGKILL; restarting every worker (restart 1 of 2)." in output
-    assert "Worker 1 exited with code 7; restarting every worker (restart 2 of 2)." in output
+    assert "Worker slot 1 was killed by SIGKILL; restarting every worker (restart 1 of 2)." in output
+    assert "Worker slot 1 exited with code 7; restarting every worker (restart 2 of 2)." in output
     clusters = re.findall(r"^Local multi-worker cluster: (.*)$", output, re.M)
     assert len(clusters) == 3 and len(set(clusters)) == 3, output
     assert "[worker 1] worker 1 attempt 3" in output and "worker 0 attempt 3" in output
@@ -555,7 +556,7 @@ def test_launch_gives_up_after_max_restarts_with_the_last_failures_code(tmp_path
     )
     assert code == 7, output
     assert "restart 1 of 1" in output
-    assert output.rstrip().endswith("Worker 1 exited with code 7; stopped every worker."), output
+    assert output.rstrip().endswith("Worker slot 1 exited with code 7; stopped every worker."), output
     assert "attempt 3" not in output
 
 
@@ -580,12 +581,13 @@ time.sleep(600)
 """
 
 
-def test_an_interrupted_launch_does_not_restart(tmp_path):
+def test_a_ctrl_c_launch_does_not_restart(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "2",
          "--max_restarts", "3", "--", sys.executable, "-c", STARTS_AND_SLEEPS],
         env=_env(STATE_DIR=str(tmp_path)), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=default_sigint,
     )
     try:
         # Files, not output lines: worker 0 writes its own output and the
@@ -594,7 +596,7 @@ def test_an_interrupted_launch_does_not_restart(tmp_path):
         while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
             assert process.poll() is None, process.stdout.read()
             time.sleep(0.05)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 128 + signal.SIGINT
         output = process.stdout.read()
     finally:
@@ -622,7 +624,7 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_
         _env(),
     )
     assert code == 0, output
-    assert "Worker 1 was killed by SIGKILL; restarting every worker (restart 1 of 1)." in output
+    assert "Worker slot 1 was killed by SIGKILL; restarting every worker (restart 1 of 1)." in output
     assert "[worker 1] worker-1 done" in output and "worker-0 done" in output, output
 
     # The uninterrupted run: the same model and data on 2 replicas here
