@@ -7,19 +7,27 @@ It is not a test module and must not import conftest (which splits the CPU
 into 4 devices): each worker keeps one CPU, one replica.
 
 Usage: python restart_worker.py WORKDIR [--kill_worker I --kill_epoch E
-    --kill_batch B] [--epochs N] [--optimizer adam|adam_sharded|streaming_diloco]
-    [--rows R --global_batch G]
+    --kill_batch B [--kill_signal SIGKILL|SIGTERM|SIGSTOP]] [--epochs N]
+    [--optimizer NAME[,NAME...]] [--rows R --global_batch G]
 
-With --optimizer it trains with tf_agn's Adam (sharded or not) instead of
-AGN; with --rows and --global_batch, on the first R rows in batches of G.
+With --optimizer it trains with restart_model.OPTIMIZERS[NAME] instead of
+AGN; with several names, one after the other, each with its own backup
+(WORKDIR/backup-NAME) and results (result-NAME-<task>.npz), a finished one
+skipped when the job restarts. With --rows and --global_batch, on the
+first R rows in batches of G.
 
-Worker I kills itself (SIGKILL) just before batch B of epoch E, unless
-WORKDIR/killed exists; it first writes that file, holding the time of the
-kill, so only the first attempt dies. The backup goes to WORKDIR/backup (kept after fit). Each
-worker writes:
+Worker I sends itself --kill_signal (SIGKILL by default) just before batch
+B of epoch E of each optimizer's fit, unless WORKDIR/killed-NAME exists; it
+first writes that file, holding the time of the signal, so each optimizer
+is hit once. SIGTERM is a preemption notice: every worker backs up after
+one step and exits with 75. The backup is kept after fit. Each worker
+writes:
 
-    WORKDIR/result-<task>.npz: every variable of the model and of the
-        optimizer (this worker's replica's copy), in order, as "0", "1", ...;
+    WORKDIR/result-<task>.npz (one optimizer): every variable of the model
+        and of the optimizer (this worker's replica's copy), in order, as
+        "0", "1", ...;
+    WORKDIR/begin-NAME-<task>.txt: the optimizer's iterations as each
+        attempt's fit began, a line each;
     WORKDIR/writes-<task>.jsonl: one line per file this process opened for
         writing, replaced or removed in the backup directory, appended as
         it happens (Python audit hooks), so a killed worker's survive.
@@ -84,11 +92,13 @@ def record_writes(backup_dir, log_path):
 
 
 class KillSelf(keras.callbacks.Callback):
-    """SIGKILLs this process before batch `batch` of epoch `epoch`, once."""
+    """Sends this process `signum` before batch `batch` of epoch `epoch`,
+    once."""
 
-    def __init__(self, epoch, batch, marker):
+    def __init__(self, epoch, batch, marker, signum=signal.SIGKILL):
         super().__init__()
         self.kill_epoch, self.kill_batch, self.marker = epoch, batch, marker
+        self.signum = signum
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -99,8 +109,21 @@ class KillSelf(keras.callbacks.Callback):
         ):
             with open(self.marker, "w") as marker:
                 marker.write(repr(time.time()))  # when, for the benchmark
-            print(f"killing myself before epoch {self.epoch} batch {batch}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            print(f"sending myself {self.signum.name} before epoch {self.epoch} batch {batch}",
+                  flush=True)
+            os.kill(os.getpid(), self.signum)
+
+
+class RecordBegin(keras.callbacks.Callback):
+    """Appends the optimizer's iterations as fit begins (after a restore)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_train_begin(self, logs=None):
+        with open(self.path, "a") as f:
+            f.write(f"{int(self.model.optimizer.iterations.numpy())}\n")
 
 
 def main():
@@ -110,38 +133,46 @@ def main():
     parser.add_argument("--kill_worker", type=int, default=-1)
     parser.add_argument("--kill_epoch", type=int, default=2)
     parser.add_argument("--kill_batch", type=int, default=3)
-    parser.add_argument("--optimizer", choices=list(restart_model.OPTIMIZERS), default="agn")
+    parser.add_argument("--kill_signal", default="SIGKILL",
+                        choices=["SIGKILL", "SIGTERM", "SIGSTOP"])
+    parser.add_argument("--optimizer", default="agn")
     parser.add_argument("--rows", type=int, default=restart_model.ROWS)
     parser.add_argument("--global_batch", type=int, default=restart_model.GLOBAL_BATCH)
     args = parser.parse_args()
+    names = args.optimizer.split(",")
     name = task_name()
-    backup_dir = os.path.join(args.workdir, "backup")
-    record_writes(backup_dir, os.path.join(args.workdir, f"writes-{name}.jsonl"))
-
     x, y = (column[: args.rows] for column in restart_model.data())
-    model = restart_model.build_model(STRATEGY, restart_model.OPTIMIZERS[args.optimizer])
-    callbacks = [
-        tf_agn.callbacks.BackupAndRestore(
-            backup_dir, save_freq=SAVE_FREQ, delete_checkpoint=False
+    for optimizer in names:
+        suffix = f"-{optimizer}" if len(names) > 1 else ""
+        result = os.path.join(args.workdir, f"result{suffix}-{name}.npz")
+        if os.path.exists(result):
+            continue  # trained before the job restarted
+        backup_dir = os.path.join(args.workdir, "backup" + suffix)
+        record_writes(backup_dir, os.path.join(args.workdir, f"writes-{name}.jsonl"))
+        model = restart_model.build_model(STRATEGY, restart_model.OPTIMIZERS[optimizer])
+        callbacks = [
+            tf_agn.callbacks.BackupAndRestore(
+                backup_dir, save_freq=SAVE_FREQ, delete_checkpoint=False
+            ),
+            RecordBegin(os.path.join(args.workdir, f"begin-{optimizer}-{name}.txt")),
+        ]
+        if name == f"worker-{args.kill_worker}":
+            marker = os.path.join(args.workdir, "killed" + suffix)
+            callbacks.append(KillSelf(args.kill_epoch, args.kill_batch, marker,
+                                      signal.Signals[args.kill_signal]))
+        model.fit(
+            x, y, batch_size=args.global_batch, epochs=args.epochs,
+            shuffle=False, verbose=0, callbacks=callbacks,
         )
-    ]
-    if name == f"worker-{args.kill_worker}":
-        marker = os.path.join(args.workdir, "killed")
-        callbacks.append(KillSelf(args.kill_epoch, args.kill_batch, marker))
-    model.fit(
-        x, y, batch_size=args.global_batch, epochs=args.epochs,
-        shuffle=False, verbose=0, callbacks=callbacks,
-    )
-    (copy,) = restart_model.training_state(model)  # one replica per worker
-    result = os.path.join(args.workdir, f"result-{name}.npz")
-    np.savez(result + ".tmp.npz", **{str(i): value for i, value in enumerate(copy)})
-    os.replace(result + ".tmp.npz", result)
+        (copy,) = restart_model.training_state(model)  # one replica per worker
+        np.savez(result + ".tmp.npz", **{str(i): value for i, value in enumerate(copy)})
+        os.replace(result + ".tmp.npz", result)
     print(f"{name} done", flush=True)
     # No peer may still need this worker's collectives when it exits.
     workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
-    wait_for_files(
-        [os.path.join(args.workdir, f"result-worker-{i}.npz") for i in range(workers)]
-    )
+    wait_for_files([
+        os.path.join(args.workdir, f"result{suffix}-worker-{i}.npz") for i in range(workers)
+    ])
 
 
 if __name__ == "__main__":

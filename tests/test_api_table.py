@@ -32,6 +32,7 @@ import ast
 import inspect
 import os
 import re
+import signal
 import types
 
 from absl import flags
@@ -64,7 +65,7 @@ NAMESPACES = (
     "tf_agn.datasets",
 )
 # What the table's defaults may name besides literals.
-DEFAULT_NAMES = {"flags": flags, "keras": keras, "tf": tf}
+DEFAULT_NAMES = {"flags": flags, "keras": keras, "signal": signal, "tf": tf}
 
 
 def _table():

@@ -3,7 +3,6 @@
 processes, and their argument checks in this one."""
 
 import json
-import os
 import pathlib
 import re
 import signal
@@ -17,7 +16,9 @@ import pytest
 from cluster_checks import checkout_env
 from cluster_checks import default_sigint
 from cluster_checks import port_is_free
-from tf_agn.strategies import launch
+from scripts import cluster_env
+from scripts import launch
+from tf_agn.strategies import launch as launcher
 from tf_agn.strategies import server
 from tf_agn.strategies.ports import free_ports
 from tf_agn.strategies.ports import unreachable
@@ -124,17 +125,17 @@ def test_interrupted_launch_stops_the_command_and_the_cluster():
 
 def test_launch_needs_a_command(capsys):
     with pytest.raises(SystemExit) as exited:
-        launch.parse_args(["--workers", "2"])
+        launcher.parse_args(["--workers", "2"])
     assert exited.value.code == 2
     assert "give the command to run after '--'" in capsys.readouterr().err
-    options, command = launch.parse_args(["--ps", "2", "--", "python", "--ps", "1"])
+    options, command = launcher.parse_args(["--ps", "2", "--", "python", "--ps", "1"])
     assert (options.workers, options.ps, command) == (2, 2, ["python", "--ps", "1"])
 
 
 @pytest.mark.parametrize("count", ["0", "-1"])
 def test_launch_refuses_fewer_than_one_multi_worker(capsys, count):
     with pytest.raises(SystemExit) as exited:
-        launch.parse_args(["--multi_worker", count, "--", "python"])
+        launcher.parse_args(["--multi_worker", count, "--", "python"])
     assert exited.value.code == 2
     assert f"--multi_worker must be >= 1; received {count}" in capsys.readouterr().err
 
@@ -272,31 +273,16 @@ exec(os.environ["PLAN"])
 """
 
 
-def _recover(tmp_path, launcher_args, plan, timeout=120, after_start=None):
+def _recover(tmp_path, launcher_args, plan, after_start=None):
     """Runs RECOVERY_WORKER under the launcher with `plan` (Python run by
     each worker once all of its group started, with `slot`, `attempt`,
     `workers` and `state` set); returns (exit code, output)."""
-    env = checkout_env(
+    env = cluster_env(
         STATE_DIR=str(tmp_path), PLAN=plan,
-        HEARTBEAT_PY=str(pathlib.Path(launch.__file__).parent / "heartbeat.py"),
+        HEARTBEAT_PY=str(pathlib.Path(launcher.__file__).parent / "heartbeat.py"),
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tf_agn.strategies.launch", *launcher_args, "--",
-         sys.executable, "-c", RECOVERY_WORKER],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        if after_start is not None:
-            after_start(process)
-        output, _ = process.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    return process.returncode, output
+    return launch(launcher_args, [sys.executable, "-c", RECOVERY_WORKER], env,
+                  timeout=120, after_start=after_start)
 
 
 def test_a_preempted_group_waits_for_every_backup_and_restarts_uncounted(tmp_path):
@@ -408,5 +394,5 @@ if slot == 1 and workers == 2 and attempt == 3:
 ])
 def test_launch_refuses_bad_recovery_settings(capsys, argv, error):
     with pytest.raises(SystemExit):
-        launch.parse_args([*argv, "--", "python"])
+        launcher.parse_args([*argv, "--", "python"])
     assert error in capsys.readouterr().err

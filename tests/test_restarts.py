@@ -27,14 +27,14 @@ import restart_model
 import tf_agn
 from cluster_checks import default_sigint
 from conftest import DEVICES
-from scripts import checkout_env
+from scripts import cluster_env
+from scripts import launch
 from tf_agn.optimizers import saving
 from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_and_restore import POINTER
-from tf_agn.strategies import launch
+from tf_agn.strategies import launch as launcher
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
-TIMEOUT_S = 240
 # The kill in restart_worker.py: before batch 3 of epoch 2 (0-based), so
 # with save_freq 2 the last backup is at epoch 2, step 2: one step redone.
 KILL_EPOCH, KILL_BATCH = 2, 3
@@ -482,36 +482,6 @@ def test_bad_backup_dir_is_refused_and_config_round_trips(tmp_path):
 # In real processes ------------------------------------------------------------
 
 
-def _env(**extra):
-    env = checkout_env(CUDA_VISIBLE_DEVICES="", **extra)  # one CPU replica each
-    for name in list(env):  # gRPC would send localhost traffic to a proxy
-        if name.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy"):
-            del env[name]
-    return env
-
-
-def _launch(launcher_args, command, env, timeout=TIMEOUT_S):
-    """Runs the launcher in its own process group, killed with every
-    worker whatever happens; returns (exit code, output)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tf_agn.strategies.launch", *launcher_args, "--", *command],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-        else:  # any worker the launcher left behind
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return process.returncode, output
-
-
 # Attempt 1: worker 1 dies by SIGKILL; attempt 2: it exits with 7; attempt 3
 # succeeds. Worker 1 fails only once every worker of its attempt has
 # started, so that the test checks the launcher, not a race.
@@ -537,9 +507,9 @@ time.sleep(600)
 
 
 def test_launch_restarts_every_worker_on_fresh_ports_until_one_run_succeeds(tmp_path):
-    code, output = _launch(
+    code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "2"],
-        [sys.executable, "-c", FAILS_TWICE], _env(STATE_DIR=str(tmp_path)),
+        [sys.executable, "-c", FAILS_TWICE], cluster_env(STATE_DIR=str(tmp_path)),
     )
     assert code == 0, output
     assert "Worker slot 1 was killed by SIGKILL; restarting every worker (restart 1 of 2)." in output
@@ -550,9 +520,9 @@ def test_launch_restarts_every_worker_on_fresh_ports_until_one_run_succeeds(tmp_
 
 
 def test_launch_gives_up_after_max_restarts_with_the_last_failures_code(tmp_path):
-    code, output = _launch(
+    code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
-        [sys.executable, "-c", FAILS_TWICE], _env(STATE_DIR=str(tmp_path)),
+        [sys.executable, "-c", FAILS_TWICE], cluster_env(STATE_DIR=str(tmp_path)),
     )
     assert code == 7, output
     assert "restart 1 of 1" in output
@@ -566,9 +536,9 @@ def test_launch_refuses_bad_max_restarts(capsys):
         (["--max_restarts", "1"], "--max_restarts applies to --multi_worker clusters only"),
     ):
         with pytest.raises(SystemExit):
-            launch.parse_args([*argv, "--", "python"])
+            launcher.parse_args([*argv, "--", "python"])
         assert error in capsys.readouterr().err
-    options, _ = launch.parse_args(["--multi_worker", "2", "--", "python"])
+    options, _ = launcher.parse_args(["--multi_worker", "2", "--", "python"])
     assert options.max_restarts == 0
 
 
@@ -585,7 +555,7 @@ def test_a_ctrl_c_launch_does_not_restart(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "2",
          "--max_restarts", "3", "--", sys.executable, "-c", STARTS_AND_SLEEPS],
-        env=_env(STATE_DIR=str(tmp_path)), stdout=subprocess.PIPE,
+        env=cluster_env(STATE_DIR=str(tmp_path)), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
         preexec_fn=default_sigint,
     )
@@ -617,11 +587,11 @@ def _writes(workdir, task):
 
 
 def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
-    code, output = _launch(
+    code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
         [sys.executable, WORKER_SCRIPT, str(tmp_path), "--kill_worker", "1",
          f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
-        _env(),
+        cluster_env(),
     )
     assert code == 0, output
     assert "Worker slot 1 was killed by SIGKILL; restarting every worker (restart 1 of 1)." in output
@@ -658,11 +628,11 @@ def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path
     # Backups every 2 steps: the last before the kill, after step 8, holds
     # the first fragment's Δ, taken after step 7 and landing after step 9:
     # its first slice combined in step 8, its second each worker's own.
-    code, output = _launch(
+    code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
         [sys.executable, WORKER_SCRIPT, str(tmp_path), "--optimizer=streaming_diloco",
          "--kill_worker", "1", "--kill_epoch=2", "--kill_batch=1"],
-        _env(),
+        cluster_env(),
     )
     assert code == 0, output
     assert "restarting every worker (restart 1 of 1)" in output, output
@@ -686,14 +656,14 @@ def test_a_job_of_3_workers_resumes_as_a_job_of_2(tmp_path, optimizer):
     rows, batch = 60, 12  # 5 steps an epoch; backups every 2
     args = [sys.executable, WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
             f"--rows={rows}", f"--global_batch={batch}"]
-    code, output = _launch(
+    code, output = launch(
         ["--multi_worker", "3"],
         args + ["--kill_worker", "1", f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
-        _env(),
+        cluster_env(),
     )
-    assert code != 0 and "killing myself" in output, output
+    assert code != 0 and "sending myself SIGKILL" in output, output
     assert _pointer(tmp_path / "backup")["num_replicas_in_sync"] == 3
-    code, output = _launch(["--multi_worker", "2"], args, _env())
+    code, output = launch(["--multi_worker", "2"], args, cluster_env())
     assert code == 0, output
 
     reference = restart_model.build_model(

@@ -267,6 +267,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._files.read_state(pointer["checkpoint"], name) for name in pointer["tasks"]
             ]
             resizing.restore(self.model, task_arrays, pointer, strategy.num_replicas_in_sync)
+            if self._task.is_chief:
+                print(
+                    f"BackupAndRestore: resized from {pointer['num_replicas_in_sync']} "
+                    f"replicas to {strategy.num_replicas_in_sync}, resuming at epoch "
+                    f"{pointer['epoch']}, step {pointer['step']}.",
+                    flush=True,
+                )
             self._metric_arrays = resizing.metric_values(
                 self.model, task_arrays, pointer, strategy.num_replicas_in_sync
             )

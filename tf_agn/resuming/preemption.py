@@ -25,8 +25,22 @@ class Preempted(SystemExit):
     """Raised out of `fit` once every worker has backed up at the agreed
     step; uncaught, the process exits with `PREEMPTED_EXIT_CODE` (75).
 
-    Attributes:
-        step: the agreed step, counted in `fit`'s train-function calls.
+    Catch it to do more before exiting (the backup is complete), then exit
+    with its `code`, so that the supervisor restarts the job.
+
+    Args:
+        step: the agreed step, counted in `fit`'s train-function calls
+            (kept as `self.step`).
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y, callbacks=[tf_agn.callbacks.BackupAndRestore("/shared/b")])
+    except tf_agn.callbacks.Preempted as preempted:
+        print(preempted)
+        raise
+    ```
     """
 
     def __init__(self, step: int):
