@@ -1,5 +1,5 @@
-"""Runs benchmarks/step_overhead.py, compression.py, sharding.py and
-streaming_diloco.py on tiny settings: each must run, print its tables and a
+"""Runs benchmarks/step_overhead.py, compression.py, sharding.py,
+streaming_diloco.py, overlap.py and preemption.py on tiny settings: each must run, print its tables and a
 verdict per target. The timings themselves are not checked (the
 machine is shared); the benchmark's own PASS/FAIL lines are for people."""
 
@@ -273,3 +273,24 @@ def test_overlap_runs_and_reports(tmp_path):
     assert saved["results"]["lm"]["profiled"] == {}
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "overlap_mlp_profile.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_preemption_runs_and_reports():
+    # A 50,890-parameter MLP: two launches of 2 workers, most of it start-up.
+    result = run_python(
+        os.path.join(ROOT, "benchmarks", "preemption.py"),
+        "--runs=1", "--units=64", "--steps_before=3", timeout=300,
+    )
+    out = result.stdout
+    assert "parameters: 50,890" in out, out + result.stderr
+    row = re.search(r"^\| 1 \| ([\d.]+), ([\d.]+) \| ([\d.]+) \|((?: [\d.]+ \|){5})$", out, re.M)
+    assert row, out
+    backed_up, exited = float(row.group(2)), float(row.group(3))
+    assert 0 <= backed_up <= exited
+    phases = [float(p) for p in row.group(4).split("|") if p.strip()]
+    assert phases == sorted(phases), phases  # imported, connected, built, restored, stepped
+    stopped = re.search(r"^run 1: both stopped after step \[(\d+)\], resumed at (\d+): "
+                        r"no step trained twice or lost$", out, re.M)
+    assert stopped and stopped.group(1) == stopped.group(2), out
+    assert re.search(r"^(PASS|FAIL): notice to exit at most [\d.]+ s \(target 30 s\)$", out, re.M)

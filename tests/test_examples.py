@@ -35,20 +35,25 @@ def printed_accuracy(stdout):
     return float(match.group(1))
 
 
-def test_mnist_mirrored_learns():
+def test_mnist_mirrored_learns(tmp_path):
     # 3,000 training digits for 3 epochs (18 steps of 512) over 4 CPU
     # replicas reached 0.881, 0.894 and 0.892 test accuracy with seeds 0-2
     # (the full default run: 0.95). Chance is 0.10, so 0.85 leaves room for
     # noise yet fails a model that does not learn or replicas that disagree.
+    # With backups (every 5 steps), which a whole run deletes at its end.
+    backup_dir = tmp_path / "backup"
     stdout = run_example(
         MNIST_MIRRORED,
         "--cpu_replicas=4",
         "--train_samples=3000",
         "--epochs=3",
         "--verbose=2",
+        f"--backup_dir={backup_dir}",
+        "--save_freq=5",
     )
     assert "4 replicas, aggregation=mean" in stdout
     assert printed_accuracy(stdout) >= 0.85
+    assert not backup_dir.exists()
 
 
 def test_streaming_diloco_text_learns_across_two_worker_processes():

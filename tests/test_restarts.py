@@ -586,15 +586,23 @@ def _writes(workdir, task):
         return [tuple(json.loads(line)) for line in f]
 
 
-def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
+@pytest.mark.parametrize("kill_signal, how", [
+    ("SIGKILL", "was killed by SIGKILL"),
+    # A hung worker (a frozen host): the launcher kills it once its
+    # heartbeat is 4 s old.
+    pytest.param("SIGSTOP", "stopped sending heartbeats and was killed", marks=pytest.mark.slow),
+])
+def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(
+    tmp_path, kill_signal, how
+):
     code, output = launch(
-        ["--multi_worker", "2", "--max_restarts", "1"],
+        ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "4"],
         [sys.executable, WORKER_SCRIPT, str(tmp_path), "--kill_worker", "1",
-         f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+         f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}", "--kill_signal", kill_signal],
         cluster_env(),
     )
     assert code == 0, output
-    assert "Worker slot 1 was killed by SIGKILL; restarting every worker (restart 1 of 1)." in output
+    assert f"Worker slot 1 {how}; restarting every worker (restart 1 of 1)." in output
     assert "[worker 1] worker-1 done" in output and "worker-0 done" in output, output
 
     # The uninterrupted run: the same model and data on 2 replicas here
