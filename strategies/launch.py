@@ -31,6 +31,16 @@ def parse_args(argv):
     Returns:
         The parsed options and the command (a non-empty list).
     """
+    parser = _parser()
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        parser.error("give the command to run after '--'")
+    split = argv.index("--")
+    options = parser.parse_args(argv[:split])
+    _check(parser, options)
+    return options, argv[split + 1 :]
+
+
+def _parser():
     parser = argparse.ArgumentParser(
         prog="python -m tf_agn.strategies.launch",
         description="Runs COMMAND as the coordinator of a local cluster.",
@@ -84,10 +94,11 @@ def parse_args(argv):
         "worker is hung, killed and handled as failed (default "
         f"{heartbeat.DEFAULT_HANG_TIMEOUT_S:g}; 0: never)",
     )
-    if "--" not in argv or argv.index("--") == len(argv) - 1:
-        parser.error("give the command to run after '--'")
-    split = argv.index("--")
-    options = parser.parse_args(argv[:split])
+    return parser
+
+
+def _check(parser, options):
+    """Exits through `parser.error`, naming the value, for bad options."""
     # 0 would fall back to a parameter-server cluster, opening ports the
     # user did not ask for.
     if options.multi_worker is not None and options.multi_worker < 1:
@@ -112,7 +123,6 @@ def parse_args(argv):
             f"--hang_timeout must be 0 (never) or at least {min_timeout:g} seconds; "
             f"received {options.hang_timeout:g}"
         )
-    return options, argv[split + 1 :]
 
 
 def run(command, env):
