@@ -40,6 +40,8 @@ import tempfile  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+import launched  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("runs", 2, "How many notices to measure, each in a fresh job.")
 flags.DEFINE_list("units", ["4096", "4096", "1024"], "The MLP's hidden layers' widths.")
@@ -109,10 +111,7 @@ def worker_main():
 def measure_once(run):
     """One job: the notice, the exits, the restart. Returns its events."""
     workdir = tempfile.mkdtemp(prefix=f"tf_agn-preemption-{run}-")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    for name in list(env):  # gRPC would send localhost traffic to a proxy
-        if name.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy"):
-            del env[name]
+    env = launched.cluster_env()
     command = [sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "2", "--",
                sys.executable, os.path.abspath(__file__), f"--workdir={workdir}",
                f"--units={','.join(FLAGS.units)}", f"--batch_size={FLAGS.batch_size}",
@@ -122,7 +121,9 @@ def measure_once(run):
     events_path = os.path.join(workdir, "events.jsonl")
     try:
         _wait_for(events_path, lambda e: sum(x["event"] == "ready" for x in e) == 2)
-        worker_1 = _pid_of_worker(launcher.pid, 1)
+        (worker_1,) = [
+            pid for pid, index in launched.launcher_workers(launcher.pid).items() if index == 1
+        ]
         signalled = time.time()
         os.kill(worker_1, signal.SIGTERM)
         exited = None
@@ -154,26 +155,6 @@ def _wait_for(path, done, timeout=600):
                 return events
         time.sleep(0.1)
     raise TimeoutError(f"no workers ready within {timeout} s")
-
-
-def _pid_of_worker(launcher_pid, index):
-    """The pid of the launcher's child whose TF_CONFIG names worker `index`."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = dict(
-                    item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item
-                )
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        config = environ.get(b"TF_CONFIG")
-        if parent == launcher_pid and config and json.loads(config)["task"]["index"] == index:
-            return int(pid)
-    raise RuntimeError(f"no worker {index} under the launcher {launcher_pid}")
 
 
 def report(runs):

@@ -35,6 +35,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+import launched
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "restart_worker.py"
 TIMEOUT_S = 300
@@ -42,17 +44,6 @@ TIMEOUT_S = 300
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("detections", 3, "how many times to measure (a), which varies most")
 flags.DEFINE_integer("launch_pairs", 2, "how many launches without and with the kill (b)")
-
-
-def worker_env():
-    """This checkout on the path, one CPU replica per worker, and no HTTP
-    proxy (gRPC would send localhost traffic to it)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for name in list(env):
-        if name.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy"):
-            del env[name]
-    return env
 
 
 def start(command, env, log):
@@ -82,7 +73,7 @@ def detection_time(workdir):
     processes = []
     try:
         for index, tf_config in enumerate(multi_worker_tf_configs(2)):
-            env = dict(worker_env(), TF_CONFIG=json.dumps(tf_config))
+            env = dict(launched.cluster_env(), TF_CONFIG=json.dumps(tf_config))
             processes.append(
                 start([sys.executable, str(WORKER), str(workdir), "--kill_worker", "1"],
                       env, workdir / f"worker{index}.log")
@@ -120,7 +111,7 @@ def launch_time(workdir, kill):
         "--kill_worker", "1",
     ]
     began = time.monotonic()
-    launcher = start(command, worker_env(), workdir / "launch.log")
+    launcher = start(command, launched.cluster_env(), workdir / "launch.log")
     try:
         code = launcher.wait(TIMEOUT_S)
     finally:

@@ -39,7 +39,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     workers or replicas (`tf_agn.resuming.resizing`).
 
     On a preemption notice (SIGTERM by default) every worker finishes one
-    agreed step, backs up after it and raises `tf_agn.resuming.Preempted`,
+    agreed step, backs up after it and raises `tf_agn.callbacks.Preempted`,
     a `SystemExit` whose code, 75, asks the supervisor for a restart that
     is not a failure; the restarted run trains no step twice.
 

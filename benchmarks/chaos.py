@@ -1,0 +1,236 @@
+r"""Training under chaos: 3 localhost workers, a fault every `--interval`
+seconds on a random worker, and what each fault costs.
+
+Each job runs `python -m tf_agn.strategies.launch --multi_worker 3` over
+this script in worker mode: an MLP (784-1024-1024-10, 1.9M parameters) with
+Adam on fixed data, `--epochs` epochs of `--steps_per_epoch` steps, under
+`tf_agn.callbacks.BackupAndRestore`. A clean job (no fault) sets the
+reference wall time and weights. Then, for each fault kind of `--kinds`,
+faults go to random workers of the running group, `--faults` of them, one
+every `--interval` seconds:
+
+- `sigkill`: a lost host;
+- `sigterm`: a preemption notice (the process is SIGKILLed `--notice_s`
+  later if it still runs, as a cloud does);
+- `sigstop`: a hung host (SIGCONT after `--stop_s` if it still exists).
+
+Each kind runs with each recipe of `--recipes`: `tf_agn` (preemption
+notices on, the launcher's `--hang_timeout 10`, backups every `--save_freq`
+steps), and today's recovery without them (notices off, no hang timeout,
+so TensorFlow's own health check finds a hung worker) with backups every
+`--save_freq` steps (`backups`) or every epoch (`backups_epoch`).
+
+Reported per job: wall time, goodput (the clean job's wall time over this
+job's), what a fault cost (the extra wall time over the faults), restarts
+(and those after a preemption, uncounted), steps trained twice (worker 0's
+iterations that ran in more than one attempt), and the final weights
+against the clean job's (max |difference|).
+
+Targets (issue 48): no step trained twice; final weights bitwise equal;
+goodput >= 0.85 with a SIGKILL or a SIGTERM every 30 s; a SIGSTOP costs at
+most the detection bound (10 s) plus one restart.
+
+Usage (the full run: 10 faults of each kind, about 40 minutes):
+
+    python benchmarks/chaos.py --faults=10 --interval=30
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+import launched
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("kinds", ["sigterm", "sigkill", "sigstop"], "Fault kinds, one job each.")
+flags.DEFINE_list("recipes", ["tf_agn", "backups", "backups_epoch"], "Recoveries to compare.")
+flags.DEFINE_integer("faults", 10, "Faults per job.")
+flags.DEFINE_float("interval", 30.0, "Seconds between faults.")
+flags.DEFINE_float("notice_s", 30.0, "sigterm: seconds from the notice to a SIGKILL.")
+flags.DEFINE_float("stop_s", 60.0, "sigstop: seconds a worker stays stopped.")
+flags.DEFINE_integer("epochs", 10, "Epochs of training.")
+flags.DEFINE_integer("steps_per_epoch", 100, "Steps an epoch.")
+flags.DEFINE_integer("save_freq", 10, "Steps between backups (0: every epoch).")
+flags.DEFINE_list("units", ["1024", "1024"], "The MLP's hidden layers' widths.")
+flags.DEFINE_integer("batch_size", 192, "The global batch.")
+flags.DEFINE_integer("seed", 0, "Which workers the faults hit.")
+flags.DEFINE_string("workdir", None, "Worker mode: the job's directory (set by this script).")
+flags.DEFINE_bool("notices", True, "Worker mode: whether SIGTERM is a notice.")
+
+HANG_TIMEOUT_S = 10
+
+
+def worker_main():
+    """One worker: trains, logging every step's iteration to its file."""
+    import keras
+    import numpy as np
+
+    import tf_agn
+
+    strategy = tf_agn.strategies.multi_worker_mirrored()
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    attempt = int(os.environ["TF_AGN_RESTART_COUNT"])
+    rng = np.random.default_rng(0)
+    rows = FLAGS.batch_size * FLAGS.steps_per_epoch
+    x = rng.normal(size=(rows, 784)).astype("float32")
+    y = rng.integers(0, 10, rows)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = tf_agn.models.mlp((784,), 10, hidden_units=[int(u) for u in FLAGS.units])
+        model.compile(optimizer=tf_agn.optimizers.Adam(1e-4),
+                      loss="sparse_categorical_crossentropy")
+    steps = open(os.path.join(FLAGS.workdir, f"steps-{index}-{attempt}.txt"), "a", buffering=1)
+    log = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.write(
+            f"{int(model.optimizer.iterations.numpy())}\n"
+        )
+    )
+    backup = tf_agn.callbacks.BackupAndRestore(
+        os.path.join(FLAGS.workdir, "backup"), save_freq=FLAGS.save_freq or "epoch",
+        preemption_notice=signal.SIGTERM if FLAGS.notices else None,
+    )
+    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=False,
+              verbose=0, callbacks=[backup, log])
+    if index == 0:
+        np.savez(os.path.join(FLAGS.workdir, "weights.npz"), *model.get_weights())
+    sys.stdout.flush()
+    os._exit(0)  # TensorFlow's teardown takes seconds; every peer is done
+
+
+def _deliver(kind, pid):
+    """Sends fault `kind` to `pid`, and what follows it later."""
+    signum = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
+    os.kill(pid, signum[kind])
+    follow = {"sigterm": (FLAGS.notice_s, signal.SIGKILL), "sigstop": (FLAGS.stop_s, signal.SIGCONT)}
+    if kind in follow:
+        delay, then = follow[kind]
+
+        def later():
+            time.sleep(delay)
+            try:
+                os.kill(pid, then)
+            except ProcessLookupError:
+                pass
+
+        threading.Thread(target=later, daemon=True).start()
+
+
+def run_job(kind, recipe, rng):
+    """One job; returns its measures, and its weights for comparison."""
+    import numpy as np
+
+    workdir = tempfile.mkdtemp(prefix=f"tf_agn-chaos-{kind}-{recipe}-")
+    env = launched.cluster_env()
+    hang = HANG_TIMEOUT_S if recipe == "tf_agn" else 0
+    command = [
+        sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "3",
+        "--max_restarts", "1000", "--hang_timeout", str(hang), "--",
+        sys.executable, os.path.abspath(__file__), f"--workdir={workdir}",
+        f"--notices={recipe == 'tf_agn'}", f"--epochs={FLAGS.epochs}",
+        f"--steps_per_epoch={FLAGS.steps_per_epoch}",
+        f"--save_freq={0 if recipe == 'backups_epoch' else FLAGS.save_freq}",
+        f"--units={','.join(FLAGS.units)}", f"--batch_size={FLAGS.batch_size}",
+    ]
+    start = time.monotonic()
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    reader.start()
+    sent = 0
+    try:
+        next_fault = start + FLAGS.interval
+        while launcher.poll() is None:
+            if kind != "none" and sent < FLAGS.faults and time.monotonic() >= next_fault:
+                workers = launched.launcher_workers(launcher.pid)
+                if workers:
+                    _deliver(kind, rng.choice(sorted(workers)))
+                    sent += 1
+                    next_fault += FLAGS.interval
+            time.sleep(0.1)
+        wall = time.monotonic() - start
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reader.join(5)
+    text = "".join(output)
+    if launcher.returncode != 0:
+        raise RuntimeError(f"{kind}/{recipe} exited with {launcher.returncode}:\n{text[-3000:]}")
+    counts = {}
+    for name in os.listdir(workdir):
+        if name.startswith("steps-0-"):
+            with open(os.path.join(workdir, name)) as f:
+                for step in set(f.read().split()):
+                    counts[step] = counts.get(step, 0) + 1
+    with np.load(os.path.join(workdir, "weights.npz")) as npz:
+        weights = [npz[k] for k in sorted(npz.files, key=lambda k: int(k.split("_")[1]))]
+    subprocess.run(["rm", "-rf", workdir], check=False)
+    return {
+        "kind": kind, "recipe": recipe, "faults": sent, "wall": wall,
+        "restarts": text.count("restarting every worker (restart"),
+        "preemptions": text.count("(not counted as a failure)"),
+        "twice": sum(c > 1 for c in counts.values()),
+        "resizes": text.count("dropped;"),
+    }, weights
+
+
+def main(argv):
+    del argv
+    if FLAGS.workdir:
+        worker_main()
+        return
+    import numpy as np
+
+    rng = random.Random(FLAGS.seed)
+    print(f"tf_agn chaos: 3 workers on localhost, {os.cpu_count()} CPUs, MLP "
+          f"784-{'-'.join(FLAGS.units)}-10, {FLAGS.epochs} x {FLAGS.steps_per_epoch} steps, "
+          f"a fault every {FLAGS.interval:g} s, {FLAGS.faults} a job", flush=True)
+    clean, clean_weights = run_job("none", "tf_agn", rng)
+    step_ms = 1000 * clean["wall"] / (FLAGS.epochs * FLAGS.steps_per_epoch)
+    print(f"clean: {clean['wall']:.1f} s ({step_ms:.0f} ms a step with start-up)", flush=True)
+    print("| fault | recipe | faults | wall s | goodput | s a fault | restarts | uncounted | "
+          "steps twice | max abs(w - clean) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ours = {}
+    for kind in FLAGS.kinds:
+        for recipe in FLAGS.recipes:
+            job, weights = run_job(kind, recipe, rng)
+            job["goodput"] = clean["wall"] / job["wall"]
+            job["cost"] = (job["wall"] - clean["wall"]) / max(job["faults"], 1)
+            job["difference"] = max(
+                float(np.abs(a - b).max()) for a, b in zip(weights, clean_weights)
+            )
+            print(f"| {kind} | {recipe} | {job['faults']} | {job['wall']:.1f} | "
+                  f"{job['goodput']:.2f} | {job['cost']:.1f} | {job['restarts']} | "
+                  f"{job['preemptions']} | {job['twice']} | {job['difference']:.3g} |",
+                  flush=True)
+            if recipe == "tf_agn":
+                ours[kind] = job
+    for kind, job in ours.items():
+        checks = [("no step trained twice", job["twice"] == 0),
+                  ("weights bitwise", job["difference"] == 0)]
+        if kind in ("sigkill", "sigterm"):
+            checks.append((f"goodput >= 0.85 (a fault every {FLAGS.interval:g} s)",
+                           job["goodput"] >= 0.85))
+        if kind == "sigstop" and "sigkill" in ours:
+            # A restart's cost is what a SIGKILL costs.
+            bound = HANG_TIMEOUT_S + ours["sigkill"]["cost"]
+            checks.append((f"a fault costs <= detection + a restart ({bound:.1f} s)",
+                           job["cost"] <= bound))
+        for name, ok in checks:
+            print(f"{'PASS' if ok else 'FAIL'}: {kind}: {name}")
+
+
+if __name__ == "__main__":
+    app.run(main)
