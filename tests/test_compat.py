@@ -21,7 +21,9 @@ import tensorflow as tf
 
 import tf_agn
 from conftest import DEVICES
+from scripts import run_python
 from tf_agn import _compat
+from tf_agn.strategies.ports import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -245,6 +247,36 @@ def test_read_xspace_reads_the_kernels_a_profile_recorded(tmp_path):
         name.split(":")[0].endswith("profiled_product") and name.endswith("MatMul")
         for name in names
     ), names
+
+
+# A one-worker cluster: its coordination service is the key-value store.
+KEY_VALUE_SCRIPT = """
+import tensorflow as tf
+import tf_agn
+from tf_agn import _compat
+
+tf_agn.strategies.multi_worker_mirrored()
+_compat.set_key_value("tf_agn/k", "7")
+assert _compat.get_key_value("tf_agn/k", 1000) == "7"
+try:
+    _compat.set_key_value("tf_agn/k", "8")
+except tf.errors.AlreadyExistsError:
+    pass
+else:
+    raise AssertionError("a second set succeeded")
+try:
+    _compat.get_key_value("tf_agn/absent", 100)
+except tf.errors.DeadlineExceededError:
+    print("key-value store ok", flush=True)
+"""
+
+
+def test_the_coordination_services_key_value_store_sets_once_and_waits(tmp_path):
+    port = free_ports(1)[0]
+    config = {"cluster": {"worker": [f"localhost:{port}"]}, "task": {"type": "worker", "index": 0}}
+    result = run_python("-c", KEY_VALUE_SCRIPT, timeout=120,
+                        TF_CONFIG=json.dumps(config), CUDA_VISIBLE_DEVICES="")
+    assert "key-value store ok" in result.stdout, result.stdout + result.stderr
 
 
 def test_aggregating_overrides_keras_optimizer_hooks():
