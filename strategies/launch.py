@@ -235,9 +235,13 @@ def run_workers(
             command, slots.active, hang_timeout_s, preemption_grace_s, restart_count=groups
         )
         groups += 1
-        old_handler = signal.signal(
-            signal.SIGTERM, lambda signum, frame: (terminated.append(signum), group.forward(signum))
-        ) if threading.current_thread() is threading.main_thread() else None
+
+        def notify(signum, frame, group=group):
+            terminated.append(signum)
+            group.forward(signum)  # every worker's preemption notice
+
+        in_main = threading.current_thread() is threading.main_thread()
+        old_handler = signal.signal(signal.SIGTERM, notify) if in_main else None
         try:
             result = group.run()
         except KeyboardInterrupt:

@@ -1,5 +1,6 @@
 """Runs benchmarks/step_overhead.py, compression.py, sharding.py,
-streaming_diloco.py, overlap.py and preemption.py on tiny settings: each must run, print its tables and a
+streaming_diloco.py, overlap.py, preemption.py and chaos.py on tiny
+settings: each must run, print its tables and a
 verdict per target. The timings themselves are not checked (the
 machine is shared); the benchmark's own PASS/FAIL lines are for people."""
 
@@ -294,3 +295,25 @@ def test_preemption_runs_and_reports():
                         r"no step trained twice or lost$", out, re.M)
     assert stopped and stopped.group(1) == stopped.group(2), out
     assert re.search(r"^(PASS|FAIL): notice to exit at most [\d.]+ s \(target 30 s\)$", out, re.M)
+
+
+@pytest.mark.slow
+def test_chaos_runs_and_reports():
+    # A clean job and one SIGTERM job of 3 workers training a 25,450-
+    # parameter MLP for 300 steps; the notice lands 15 s in, while the
+    # workers start or train (either way the job must end at the clean
+    # weights, every step trained once).
+    result = run_python(
+        os.path.join(ROOT, "benchmarks", "chaos.py"),
+        "--kinds=sigterm", "--recipes=tf_agn", "--faults=1", "--interval=15",
+        "--epochs=3", "--steps_per_epoch=100", "--units=32", "--batch_size=48", timeout=600,
+    )
+    out = result.stdout
+    assert re.search(r"^clean: [\d.]+ s", out, re.M), out + result.stderr
+    row = re.search(r"^\| sigterm \| tf_agn \| 1 \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| \d+ \| "
+                    r"(\d+) \| (\S+) \|$", out, re.M)
+    assert row, out
+    assert row.group(1) == "0" and float(row.group(2)) == 0, out  # none twice; bitwise
+    for check in ("no step trained twice", "weights bitwise"):
+        assert f"PASS: sigterm: {check}" in out, out
+    assert re.search(r"^(PASS|FAIL): sigterm: goodput >= 0.85", out, re.M), out

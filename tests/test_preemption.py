@@ -133,9 +133,13 @@ def test_without_a_notice_fit_ends_and_a_late_signal_takes_its_old_course(tmp_pa
         signal.signal(signal.SIGUSR1, old)
 
 
-@pytest.mark.parametrize("notice", [3.5, "", ["a"], 0, True, 10**6])
+@pytest.mark.parametrize("notice", [3.5, "", ["a"], 0, True, 10**6, "sigterm"])
 def test_a_bad_notice_is_refused_naming_it(tmp_path, notice):
-    want = "empty path" if notice == "" else f"preemption_notice must .*received {re.escape(repr(notice))}"
+    want = {
+        "": "empty path",
+        "sigterm": re.escape("preemption_notice 'sigterm' names a signal: pass signal.SIGTERM"),
+    }.get(notice) if isinstance(notice, str) else None
+    want = want or f"preemption_notice must .*received {re.escape(repr(notice))}"
     with pytest.raises(ValueError, match=want):
         tf_agn.callbacks.BackupAndRestore(tmp_path, preemption_notice=notice)
 

@@ -60,6 +60,11 @@ def check_notice(notice):
     Raises:
         ValueError: naming `notice` and what is allowed.
     """
+    if isinstance(notice, str) and notice.upper() in signal.Signals.__members__:
+        raise ValueError(
+            f"preemption_notice {notice!r} names a signal: pass "
+            f"signal.{notice.upper()} (a string is a path, watched for a file)."
+        )
     if notice is None or callable(notice) or isinstance(notice, (str, os.PathLike)):
         if isinstance(notice, str) and not notice:
             raise ValueError("preemption_notice must not be an empty path.")
