@@ -130,7 +130,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # keys agree; a later fit in this process never reads these.
             self._preemption = PreemptionNotice(
                 self.preemption_notice, self._task.all_names, self._task.name,
-                f"tf_agn/preemption/{next(_FITS)}",
+                f"tf_agn/preemption/{next(_FITS)}", self.model,
             )
             self._preemption.start()
         optimizer = self.model.optimizer

@@ -19,6 +19,9 @@ PREEMPTED_EXIT_CODE = 75
 ACKNOWLEDGE_TIMEOUT_S = 20.0
 # How often a watcher thread wakes to see whether its fit has ended.
 _POLL_MS = 1000
+# The notice watched now, if any: fits do not nest, so one left behind by a
+# fit that raised (its `on_train_end` never ran) is stopped by the next.
+_active = None
 
 
 class Preempted(SystemExit):
@@ -93,16 +96,22 @@ class PreemptionNotice:
     learns the step before it reaches it, whatever step it was in. Until a
     notice comes, a step costs a flag check: the watching is a thread's.
 
+    A `fit` that raises never reaches `on_train_end`: a signal that comes
+    once `fit` has left the stack takes the old handler's course then.
+
     Args:
         notice: a `signal.Signals`, a callable or a path (`check_notice`).
         task_names: every task of the cluster, this one included; one task
             agrees alone.
         task_name: this process's task.
         key_prefix: the keys of this fit, alike on every worker.
+        model: the model whose `fit` this notice serves.
     """
 
-    def __init__(self, notice, task_names: list[str], task_name: str, key_prefix: str):
-        self._notice = notice
+    def __init__(
+        self, notice, task_names: list[str], task_name: str, key_prefix: str, model=None
+    ):
+        self._notice, self._model = notice, model
         self._task_names, self._task_name = task_names, task_name
         self._key = key_prefix + "/step"
         self._ack_prefix = key_prefix + "/ack/"
@@ -121,6 +130,10 @@ class PreemptionNotice:
     def start(self) -> None:
         """Installs the signal handler (in the main thread) and starts the
         watcher thread of a multi-worker cluster."""
+        global _active
+        if _active is not None:
+            _active.stop()
+        _active = self
         if isinstance(self._notice, signal.Signals):
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError(
@@ -139,6 +152,9 @@ class PreemptionNotice:
         """Stops watching and puts the old signal handler back; with
         `redeliver`, a signal that came and was not acted on is raised
         again, to take its old course."""
+        global _active
+        if _active is self:
+            _active = None
         self._finished.set()
         if self._old_handler is not None:
             signal.signal(self._notice, self._old_handler)
@@ -168,6 +184,10 @@ class PreemptionNotice:
 
     def _on_signal(self, signum, frame) -> None:
         self._signalled.set()
+        if not _in_fit(frame, self._model):
+            self.stop(redeliver=True)  # fit raised: the old course now
+
+
 
     def _propose(self, completed: int) -> None:
         if not self.multi_worker:
@@ -200,3 +220,11 @@ class PreemptionNotice:
             _compat.set_key_value(self._ack_prefix + self._task_name, "1")
             return
 
+
+def _in_fit(frame, model) -> bool:
+    """Whether `model.fit` is on the stack below `frame`."""
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False
