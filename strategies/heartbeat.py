@@ -9,16 +9,30 @@ process the scheduler never runs. `python -m tf_agn.strategies.launch
 and handles it as a lost one. Elsewhere, any supervisor can read the
 file's age (a Kubernetes `livenessProbe`); under systemd, the same thread
 also pings the service manager's watchdog (`WatchdogSec=`).
+
+Given `on_abort`, the same thread answers a supervisor that lost one of
+this worker's peers: once `<heartbeat file>.abort` exists
+(`request_abort`), it calls `on_abort` (`multi_worker_mirrored` aborts the
+process's collectives, so that a step waiting for the lost peer raises at
+once rather than after TensorFlow's health check, 7 to 11 s here, and
+`tf_agn.callbacks.BackupAndRestore` saves the last completed step). The
+file then reads "answers abort" (`answers_abort`), so that a supervisor
+waits for such a worker to save, and kills any other at once.
 """
 
 import os
 import socket
 import threading
 import time
+import typing
 
 # The environment variable naming the file a worker touches.
 HEARTBEAT_FILE_VARIABLE = "TF_AGN_HEARTBEAT_FILE"
 BEAT_INTERVAL_S = 1.0
+# What the heartbeat file of a worker with `on_abort` says.
+_ANSWERS_ABORT = "answers abort"
+# How often the thread looks for an abort request.
+_ABORT_POLL_S = 0.1
 # The launcher's default: about 10 missed beats. A process descheduled for
 # a few seconds on a loaded machine is not hung.
 DEFAULT_HANG_TIMEOUT_S = 10.0
@@ -26,9 +40,13 @@ DEFAULT_HANG_TIMEOUT_S = 10.0
 _started = threading.Event()
 
 
-def start_from_environment() -> bool:
+def start_from_environment(on_abort: typing.Callable[[], None] | None = None) -> bool:
     """Starts this process's heartbeat thread, once, if a supervisor asked
     for it (`HEARTBEAT_FILE_VARIABLE`, or systemd's `WATCHDOG_USEC`).
+
+    Args:
+        on_abort: called from the thread when the supervisor asks this
+            worker to stop waiting for a lost peer; None ignores requests.
 
     Returns:
         Whether a heartbeat runs.
@@ -40,7 +58,8 @@ def start_from_environment() -> bool:
     if not _started.is_set():
         _started.set()
         threading.Thread(
-            target=_beat, args=(path, watchdog), name="tf_agn-heartbeat", daemon=True
+            target=_beat, args=(path, watchdog, on_abort), name="tf_agn-heartbeat",
+            daemon=True,
         ).start()
     return True
 
@@ -54,15 +73,40 @@ def age_s(path: str) -> float | None:
         return None
 
 
-def _beat(path: str | None, watchdog) -> None:
+def answers_abort(path: str) -> bool:
+    """Whether the worker beating on `path` answers `request_abort`."""
+    try:
+        with open(path) as f:
+            return f.read() == _ANSWERS_ABORT
+    except FileNotFoundError:
+        return False
+
+
+def request_abort(path: str) -> None:
+    """Asks the worker beating on `path` to abort its collectives: a peer
+    it waits for is lost."""
+    with open(path + ".abort", "w"):
+        pass
+
+
+def _beat(path: str | None, watchdog, on_abort) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(_ANSWERS_ABORT if on_abort else "")
+    next_beat = 0.0
     while True:
-        if path:
-            with open(path, "a"):
-                pass
-            os.utime(path)
-        if watchdog is not None:
-            watchdog.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"].replace("@", "\0", 1))
-        time.sleep(BEAT_INTERVAL_S)
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + BEAT_INTERVAL_S
+            if path:
+                with open(path, "a"):
+                    pass
+                os.utime(path)
+            if watchdog is not None:
+                watchdog.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"].replace("@", "\0", 1))
+        if path and on_abort and os.path.exists(path + ".abort"):
+            os.remove(path + ".abort")
+            on_abort()
+        time.sleep(_ABORT_POLL_S)
 
 
 def _systemd_watchdog() -> socket.socket | None:

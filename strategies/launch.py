@@ -192,7 +192,7 @@ class _Slots:
 
 def run_workers(
     command, num_workers, max_restarts=0, min_workers=None, slot_failures=2,
-    hang_timeout_s=heartbeat.DEFAULT_HANG_TIMEOUT_S, preemption_grace_s=120.0,
+    hang_timeout_s=heartbeat.DEFAULT_HANG_TIMEOUT_S, backup_grace_s=120.0,
 ):
     """Runs `command` as every worker of a local multi-worker cluster,
     restarting the whole group when a worker fails, hangs or is preempted.
@@ -219,8 +219,8 @@ def run_workers(
         slot_failures: how many failures in a row drop a slot.
         hang_timeout_s: seconds without a heartbeat that make a worker
             hung; None never kills one.
-        preemption_grace_s: once one worker exits preempted, how long the
-            others have to finish their backup.
+        backup_grace_s: once one worker exits preempted, fails or hangs,
+            how long the others have to finish their backup.
 
     Returns:
         0 if a group succeeds; 75 if the launcher was sent SIGTERM and
@@ -232,7 +232,7 @@ def run_workers(
     restarts = groups = 0
     while True:
         group = worker_group.WorkerGroup(
-            command, slots.active, hang_timeout_s, preemption_grace_s, restart_count=groups
+            command, slots.active, hang_timeout_s, backup_grace_s, restart_count=groups
         )
         groups += 1
 

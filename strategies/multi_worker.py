@@ -130,8 +130,9 @@ def multi_worker_mirrored(
     ```
     """
     # First: a supervisor that watches heartbeats sees this worker alive
-    # through the waits below and every long step after.
-    heartbeat.start_from_environment()
+    # through the waits below and every long step after; one that lost a
+    # peer stops waiting for it at once.
+    heartbeat.start_from_environment(on_abort=_abort_collectives)
     if ops_kwargs.get("transport", "collective") != "collective":
         raise ValueError(
             'multi_worker_mirrored reduces across workers: transport must be '
@@ -199,6 +200,10 @@ class _sigterm_kept:
     def __exit__(self, *exc_info):
         if self._is_main and self._handler is not None:
             signal.signal(signal.SIGTERM, self._handler)
+
+
+def _abort_collectives():
+    _compat.abort_collectives("a peer of this worker was lost (its supervisor says so)")
 
 
 def _worker_count_and_index(resolver, source):

@@ -84,18 +84,21 @@ class WorkerGroup:
         slots: the launcher's slots that take part, in worker order.
         hang_timeout_s: a worker whose heartbeat is older is killed (None:
             never).
-        preemption_grace_s: once a worker exits preempted, how long the
-            others get to finish their backup and exit.
+        backup_grace_s: once a worker exits preempted, fails or hangs, how
+            long the others get to finish their backup and exit: after a
+            failure, each worker that beats is asked to abort its
+            collectives (`heartbeat.request_abort`) and saves the last step
+            it completed (`tf_agn.callbacks.BackupAndRestore`).
         restart_count: how many groups ran before this one.
     """
 
     def __init__(
-        self, command, slots, hang_timeout_s=None, preemption_grace_s=120.0, restart_count=0
+        self, command, slots, hang_timeout_s=None, backup_grace_s=120.0, restart_count=0
     ):
         self._command, self._slots = command, list(slots)
         self._restart_count = restart_count
         self._hang_timeout_s = hang_timeout_s
-        self._preemption_grace_s = preemption_grace_s
+        self._backup_grace_s = backup_grace_s
         self._processes = []
         # Reentrant: `forward` runs in a signal handler, on the main thread.
         self._lock = threading.RLock()
@@ -131,7 +134,10 @@ class WorkerGroup:
                         },
                     )
                     relays += self._start(env, index)
-                return self._watch(hearts)
+                result = self._watch(hearts)
+                if result.outcome in (Outcome.FAILED, Outcome.HUNG):
+                    self._let_survivors_save(hearts)
+                return result
             except KeyboardInterrupt:
                 self._interrupt()
                 raise
@@ -175,7 +181,7 @@ class WorkerGroup:
                 preempted_at = preempted_at or time.monotonic()
                 if None not in codes:
                     return GroupResult(Outcome.PREEMPTED)
-                if time.monotonic() - preempted_at > self._preemption_grace_s:
+                if time.monotonic() - preempted_at > self._backup_grace_s:
                     # Killed by the `finally`; None: it did not end by itself.
                     return GroupResult(Outcome.FAILED, self._slots[codes.index(None)], None)
             elif self._hang_timeout_s is not None:
@@ -185,6 +191,21 @@ class WorkerGroup:
                         self._processes[index].kill()
                         self._processes[index].wait()
                         return GroupResult(Outcome.HUNG, self._slots[index], -signal.SIGKILL)
+            time.sleep(0.1)
+
+    def _let_survivors_save(self, hearts):
+        """Asks every running worker that answers to stop waiting for the
+        lost one, and gives them `backup_grace_s` to save and exit (the rest are
+        killed by `run`'s `finally`)."""
+        survivors = [
+            process for process, heart in zip(self._processes, hearts)
+            if process.poll() is None and heartbeat.answers_abort(heart)
+        ]
+        for process, heart in zip(self._processes, hearts):
+            if process in survivors:
+                heartbeat.request_abort(heart)
+        deadline = time.monotonic() + self._backup_grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in survivors):
             time.sleep(0.1)
 
     def _interrupt(self):

@@ -9,12 +9,13 @@ into 4 devices): each worker keeps one CPU, one replica.
 Usage: python restart_worker.py WORKDIR [--kill_worker I --kill_epoch E
     --kill_batch B [--kill_signal SIGKILL|SIGTERM|SIGSTOP]] [--epochs N]
     [--optimizer NAME[,NAME...]] [--rows R --global_batch G]
+    [--save_freq N|epoch]
 
 With --optimizer it trains with restart_model.OPTIMIZERS[NAME] instead of
 AGN; with several names, one after the other, each with its own backup
 (WORKDIR/backup-NAME) and results (result-NAME-<task>.npz), a finished one
 skipped when the job restarts. With --rows and --global_batch, on the
-first R rows in batches of G.
+first R rows in batches of G. Backups every --save_freq steps (default 2).
 
 Worker I sends itself --kill_signal (SIGKILL by default) just before batch
 B of epoch E of each optimizer's fit, unless WORKDIR/killed-NAME exists; it
@@ -51,8 +52,6 @@ from worker_cluster import wait_for_files  # noqa: E402
 
 # The strategy must exist before any other TensorFlow op runs.
 STRATEGY = tf_agn.strategies.multi_worker_mirrored()
-
-SAVE_FREQ = 2
 
 
 def task_name():
@@ -138,6 +137,7 @@ def main():
     parser.add_argument("--optimizer", default="agn")
     parser.add_argument("--rows", type=int, default=restart_model.ROWS)
     parser.add_argument("--global_batch", type=int, default=restart_model.GLOBAL_BATCH)
+    parser.add_argument("--save_freq", type=lambda v: v if v == "epoch" else int(v), default=2)
     args = parser.parse_args()
     names = args.optimizer.split(",")
     name = task_name()
@@ -152,7 +152,7 @@ def main():
         model = restart_model.build_model(STRATEGY, restart_model.OPTIMIZERS[optimizer])
         callbacks = [
             tf_agn.callbacks.BackupAndRestore(
-                backup_dir, save_freq=SAVE_FREQ, delete_checkpoint=False
+                backup_dir, save_freq=args.save_freq, delete_checkpoint=False
             ),
             RecordBegin(os.path.join(args.workdir, f"begin-{optimizer}-{name}.txt")),
         ]

@@ -475,7 +475,8 @@ def test_bad_backup_dir_is_refused_and_config_round_trips(tmp_path):
                                                  delete_checkpoint=False)
     config = callback.get_config()
     assert config == {"backup_dir": str(tmp_path / "b"), "save_freq": 7,
-                      "delete_checkpoint": False, "preemption_notice": signal.SIGTERM}
+                      "delete_checkpoint": False, "preemption_notice": signal.SIGTERM,
+                      "keep_last_steps": True}
     assert tf_agn.callbacks.BackupAndRestore(**config).get_config() == config
 
 
@@ -604,24 +605,24 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(
     assert code == 0, output
     assert f"Worker slot 1 {how}; restarting every worker (restart 1 of 1)." in output
     assert "[worker 1] worker-1 done" in output and "worker-0 done" in output, output
+    # AGN's window: worker 1's local steps since the last commit died with it.
+    assert ("BackupAndRestore: worker-1 lost its local steps in AGN's window; the "
+            "survivors' rescue at epoch 2, step 3 cannot be used: resuming from the last "
+            "backup.") in output, output
 
     # The uninterrupted run: the same model and data on 2 replicas here
     # (each worker's replica gets the same shard as replica i here).
     reference = restart_model.build_model(tf_agn.strategies.mirrored(DEVICES[:2]))
     _fit(reference)
-    want = restart_model.training_state(reference)
-    got = []
-    for index in range(2):
-        with np.load(tmp_path / f"result-worker-{index}.npz") as npz:
-            got.append([npz[str(i)] for i in range(len(npz.files))])
-    _assert_states_equal(got, want, atol=1e-5)
+    _assert_states_equal(_results(tmp_path), restart_model.training_state(reference), atol=1e-5)
 
     # Backups every 2 steps, 4 steps per epoch: backups 0-4 by epoch 2
     # step 2, where the second attempt resumed: it wrote 5-9, none again.
     for task in ("worker-0", "worker-1"):
         started = [name for event, name in _writes(tmp_path, task) if event == "open"]
-        if task == "worker-0":
-            started = [name for name in started if name != POINTER + ".tmp"]
+        if task == "worker-0":  # the pointer, and the survivor's unused rescue
+            started = [name for name in started
+                       if name != POINTER + ".tmp" and not name.startswith("rescue-")]
         assert started == [f"ckpt-{i}.{task}.npz.tmp" for i in range(10)], (task, started)
     chief, other = _writes(tmp_path, "worker-0"), _writes(tmp_path, "worker-1")
     assert ("os.rename", POINTER) in chief
@@ -629,6 +630,46 @@ def test_a_killed_worker_is_restarted_and_training_ends_as_if_uninterrupted(
     assert other and all(re.fullmatch(r"ckpt-\d+\.worker-1\.npz(\.tmp)?", name)
                          for _, name in other), other
     assert _pointer(tmp_path / "backup")["tasks"] == ["worker-0", "worker-1"]
+
+
+def _results(workdir, workers=2):
+    got = []
+    for index in range(workers):
+        with np.load(workdir / f"result-worker-{index}.npz") as npz:
+            got.append([npz[str(i)] for i in range(len(npz.files))])
+    return got
+
+
+def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(tmp_path):
+    """Worker 0, the coordination service's host, is SIGKILLed before
+    step 12 with backups only every epoch (the last after step 8): worker
+    1 saves steps 10 and 11 as its collectives fail, and the restarted job
+    resumes after step 11, training no step twice."""
+    code, output = launch(
+        ["--multi_worker", "2", "--max_restarts", "1"],
+        [sys.executable, WORKER_SCRIPT, str(tmp_path), "--optimizer=adam", "--save_freq=epoch",
+         "--kill_worker", "0", f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+        cluster_env(),
+    )
+    assert code == 0, output
+    assert "Worker slot 0 was killed by SIGKILL; restarting every worker" in output, output
+    assert ("[worker 1] BackupAndRestore: a collective failed (a peer lost?); saved the last "
+            "steps this worker completed, up to epoch 2, step 3") in output, output
+    assert ("BackupAndRestore: resuming at epoch 2, step 3, the last step every survivor "
+            "completed, from their rescue (worker-0 lost).") in output, output
+    steps = KILL_EPOCH * 4 + KILL_BATCH
+    for task in ("worker-0", "worker-1"):
+        begins = (tmp_path / f"begin-adam-{task}.txt").read_text().split()
+        assert begins == ["0", str(steps)], (task, begins)
+    reference = restart_model.build_model(
+        tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS["adam"]
+    )
+    _fit(reference)
+    _assert_states_equal(_results(tmp_path), restart_model.training_state(reference), atol=1e-5)
+    # The rescue became a backup; no rescue file is left.
+    assert (_pointer(tmp_path / "backup")["epoch"], _pointer(tmp_path / "backup")["step"]) == (
+        restart_model.EPOCHS, 0)
+    assert not [name for name in os.listdir(tmp_path / "backup") if name.startswith("rescue")]
 
 
 @pytest.mark.slow
@@ -648,11 +689,7 @@ def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path
         tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS["streaming_diloco"]
     )
     _fit(reference)
-    got = []
-    for index in range(2):
-        with np.load(tmp_path / f"result-worker-{index}.npz") as npz:
-            got.append([npz[str(i)] for i in range(len(npz.files))])
-    _assert_states_equal(got, restart_model.training_state(reference), atol=1e-5)
+    _assert_states_equal(_results(tmp_path), restart_model.training_state(reference), atol=1e-5)
 
 
 @pytest.mark.slow

@@ -32,6 +32,10 @@ From TensorFlow:
   `MultiWorkerMirroredStrategy` worker reaches and no public API exposes;
   preemption notices agree on their step through it (`set_key_value`,
   `get_key_value`).
+- `context.context().abort_collective_ops`: fails this process's pending
+  and future collectives at once, as TensorFlow's own health check does
+  once a peer stops beating; a worker whose peer was lost stops waiting
+  for it (`abort_collectives`).
 - `tsl.profiler.protobuf.xplane_pb2.XSpace`: the file the profiler writes
   (`*.xplane.pb`), which no public API reads; `benchmarks/step_profile.py`
   reads when kernels and collectives ran (`read_xspace`).
@@ -611,6 +615,12 @@ def get_key_value(key, timeout_ms):
     """`key`'s value in the cluster's coordination service, waiting up to
     `timeout_ms` for it to be set (`tf.errors.DeadlineExceededError`)."""
     return _tf_context.context().get_config_key_value(key, timeout_ms)
+
+
+def abort_collectives(message):
+    """Makes every pending and future collective of this process raise
+    `tf.errors.UnavailableError` with `message`; safe from any thread."""
+    _tf_context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
 def read_xspace(path):

@@ -1,6 +1,7 @@
 """`BackupAndRestore`: fault-tolerant `fit` for one process or many workers
 sharing one backup directory, restoring every replica's own state."""
 
+import functools
 import itertools
 import os
 import signal
@@ -10,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from tf_agn import _compat
+from tf_agn.resuming import rescue as rescue_lib
 from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_files import POINTER  # noqa: F401  (part of this module's interface)
 from tf_agn.resuming.backup_files import BackupFiles
@@ -43,6 +45,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     a `SystemExit` whose code, 75, asks the supervisor for a restart that
     is not a failure; the restarted run trains no step twice.
 
+    When a worker is lost (killed, or hung and killed by its supervisor),
+    the others save the last step they completed as it fails their
+    collectives, and the restarted job resumes there rather than at the
+    last backup (`tf_agn.resuming.rescue` says what a lost worker's own
+    state becomes).
+
     Example:
 
     ```python
@@ -68,6 +76,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             that returns True once notified, a path whose appearance is the
             notice, or None to watch nothing. A notice on any worker stops
             every worker after the same step.
+        keep_last_steps: whether each worker of a multi-worker job keeps
+            its last two completed steps in host memory (twice its training
+            state), for its rescue when a peer is lost.
 
     Raises:
         ValueError: for a bad `backup_dir`, `save_freq` or
@@ -80,7 +91,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def __init__(
         self, backup_dir, save_freq="epoch", delete_checkpoint=True,
-        preemption_notice=signal.SIGTERM,
+        preemption_notice=signal.SIGTERM, keep_last_steps=True,
     ):
         super().__init__()
         if not backup_dir:
@@ -96,6 +107,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
         self.preemption_notice = check_notice(preemption_notice)
+        self.keep_last_steps = bool(keep_last_steps)
         os.makedirs(self.backup_dir, exist_ok=True)
         if not os.access(self.backup_dir, os.W_OK | os.X_OK):
             raise PermissionError(
@@ -105,6 +117,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._metric_arrays = None  # the restored epoch's metrics, until it begins
         self._batch_skipper = None
         self._preemption = None
+        self._snapshots = None  # with keep_last_steps on several workers
+        self._rescuer = None
 
     def get_config(self):
         return {
@@ -112,6 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "save_freq": self.save_freq,
             "delete_checkpoint": self.delete_checkpoint,
             "preemption_notice": self.preemption_notice,
+            "keep_last_steps": self.keep_last_steps,
         }
 
     # Keras hooks ---------------------------------------------------------
@@ -123,6 +138,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "data or build it before fit()."
             )
         strategy = self.model.distribute_strategy
+        _TrainFunctionWrapper.remove_all(self.model)  # left by a fit that raised
         self._task = Task.of(strategy)
         self._files = BackupFiles(self.backup_dir, self._task)
         if self.preemption_notice is not None:
@@ -142,8 +158,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._calls = 0  # train-function calls trained in this fit
         self._next_checkpoint = 0
         self._restored = self._files.read_pointer()
-        if self._restored is not None:
-            self._restore(self._restored)
+        rescue = rescue_lib.find(self._files, self._restored, self.model, self._task.is_chief)
+        if rescue is not None:
+            self._restore(rescue.pointer, rescue.read)
+        elif self._restored is not None:
+            checkpoint = self._restored["checkpoint"]
+            self._restore(self._restored, functools.partial(self._files.read_state, checkpoint))
+        if self._files.rescues():
+            self._retire_rescues(rescue)
+        if self.keep_last_steps and len(self._task.all_names) > 1:
+            self._snapshots = rescue_lib.StepSnapshots()
+            self._rescuer = _Rescuer(self.model, self._write_rescue)
+        if self._restored is not None and self._restored["step"]:
+            self._batch_skipper = _BatchSkipper(self.model, self._restored["step"])
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._step = epoch, 0
@@ -172,14 +199,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption is not None
             and self._preemption.stop_step(self._calls) == self._calls
         )
-        if preempted or (
+        saving = preempted or (
             self.save_freq != "epoch" and self._steps_since_save >= self.save_freq
-        ):
+        )
+        if not saving and self._snapshots is None:
+            return
+        epoch, step = (self._epoch + 1, 0) if step == self.params.get("steps") else (
+            self._epoch, step
+        )
+        arrays = self._arrays()
+        if self._snapshots is not None:
+            self._snapshots.take(self._pointer(self._next_checkpoint - 1, epoch, step), arrays)
+        if saving:
             self._steps_since_save = 0
-            if step == self.params.get("steps"):
-                self._save(self._epoch + 1, 0)
-            else:
-                self._save(self._epoch, step)
+            self._save(epoch, step, arrays)
         if preempted:
             self._end()
             raise Preempted(self._calls)
@@ -198,9 +231,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _end(self, redeliver=False):
         """Leaves `fit`: the model's own train function and start epoch,
         and no notice watched."""
-        if self._batch_skipper is not None:
-            self._batch_skipper.stop()
-            self._batch_skipper = None
+        for wrapper in (self._batch_skipper, self._rescuer):
+            if wrapper is not None:
+                wrapper.stop()
+        self._batch_skipper = self._rescuer = self._snapshots = None
         _compat.set_initial_epoch(self.model, None)
         self._restored = None
         if self._preemption is not None:
@@ -218,13 +252,26 @@ class BackupAndRestore(keras.callbacks.Callback):
             variables += list(self.model.optimizer.variables)
         return variables
 
-    def _save(self, epoch, step):
-        """Backs up the training state, to resume at `step` of `epoch`."""
+    def _arrays(self):
+        """This task's copies of the training state and the metrics."""
+        strategy = self.model.distribute_strategy
+        arrays = local_copies(strategy, self._state_variables(), "state")
+        arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
+        return arrays
+
+    def _pointer(self, checkpoint, epoch, step):
+        return self._files.pointer(
+            checkpoint, epoch, step, self.model.distribute_strategy.num_replicas_in_sync,
+            self.params.get("steps"), shards=resizing.sharded_positions(self.model),
+        )
+
+    def _save(self, epoch, step, arrays=None):
+        """Backs up the training state (`arrays`, else this task's copies
+        now), to resume at `step` of `epoch`."""
         strategy = self.model.distribute_strategy
         checkpoint = self._next_checkpoint
         self._next_checkpoint += 1
-        arrays = local_copies(strategy, self._state_variables(), "state")
-        arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
+        arrays = self._arrays() if arrays is None else arrays
         failure = None
         try:
             self._files.write_state(checkpoint, arrays)
@@ -232,7 +279,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             failure = error
         # Once this collective returns every task has written its file, so
         # the chief's pointer never names an incomplete backup.
-        written = _sum_over_replicas(strategy, 0.0 if failure else 1.0)
+        try:
+            written = _sum_over_replicas(strategy, 0.0 if failure else 1.0)
+        except tf.errors.OpError:  # a peer was lost
+            self._write_rescue()
+            raise
         if failure is not None:
             raise failure
         if written != strategy.num_replicas_in_sync:
@@ -242,30 +293,25 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "backup stays the latest."
             )
         if self._task.is_chief:
-            self._files.write_pointer(
-                checkpoint, epoch, step, strategy.num_replicas_in_sync, self.params.get("steps"),
-                shards=resizing.sharded_positions(self.model),
-            )
+            self._files.write_pointer(self._pointer(checkpoint, epoch, step))
         # The pointer names `checkpoint` or, if the chief has not renamed
         # it yet, `checkpoint - 1` (published before this save's barrier).
         self._files.remove_states_older_than(checkpoint - 1)
 
-    def _restore(self, pointer):
-        """Restores the backup `pointer` names; `fit` resumes where it was
-        taken."""
+    def _restore(self, pointer, read):
+        """Restores the state `pointer` names, each old task's arrays given
+        by `read(task name)`; `fit` resumes where it was taken."""
         strategy = self.model.distribute_strategy
         pointer["step"] = _resumed_step(pointer, self.params.get("steps"))
         if (pointer["tasks"], pointer["num_replicas_in_sync"]) == (
             self._task.all_names, strategy.num_replicas_in_sync
         ):
-            arrays = self._files.read_state(pointer["checkpoint"])
+            arrays = read(self._task.name)
             assign_local_copies(strategy, self._state_variables(), arrays, "state")
             self._metric_arrays = arrays
         else:
             # Another cluster shape: every old task's file, shared out anew.
-            task_arrays = [
-                self._files.read_state(pointer["checkpoint"], name) for name in pointer["tasks"]
-            ]
+            task_arrays = [read(name) for name in pointer["tasks"]]
             resizing.restore(self.model, task_arrays, pointer, strategy.num_replicas_in_sync)
             if self._task.is_chief:
                 print(
@@ -277,10 +323,39 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._metric_arrays = resizing.metric_values(
                 self.model, task_arrays, pointer, strategy.num_replicas_in_sync
             )
+        self._restored = pointer
         self._next_checkpoint = pointer["checkpoint"] + 1
         _compat.set_initial_epoch(self.model, pointer["epoch"])
-        if pointer["step"]:
-            self._batch_skipper = _BatchSkipper(self.model, pointer["step"])
+
+    def _retire_rescues(self, rescue):
+        """Once every task has restored: publishes the rescued state as a
+        backup, if it was used, and removes every rescue file."""
+        if rescue is None:
+            _sum_over_replicas(self.model.distribute_strategy, 1.0)  # a barrier
+        else:
+            arrays = self._arrays()
+            if isinstance(self._metric_arrays, dict):  # restored in on_epoch_begin
+                arrays.update({k: v for k, v in self._metric_arrays.items()
+                               if k.startswith("metrics/")})
+            self._save(rescue.pointer["epoch"], rescue.pointer["step"], arrays)
+        if self._task.is_chief:
+            self._files.remove_rescues()
+
+    def _write_rescue(self):
+        """Writes this worker's last completed steps, for the restarted job."""
+        try:
+            written = self._snapshots.write(self._files) if self._snapshots else []
+        except OSError as error:
+            print(f"BackupAndRestore: could not write a rescue: {error}", flush=True)
+            return
+        if written:
+            last = written[-1].pointer
+            print(
+                f"BackupAndRestore: a collective failed (a peer lost?); saved the last "
+                f"steps this worker completed, up to epoch {last['epoch']}, step "
+                f"{last['step']}, for the restarted job.",
+                flush=True,
+            )
 
 
 # Numbers the fits that watch for notices, alike on every worker.
@@ -306,36 +381,64 @@ def _resumed_step(pointer, steps_per_epoch):
     return step
 
 
-class _BatchSkipper:
-    """Makes `fit`'s next `steps` batches of `model` pass without training
-    (drawn from the iterator, no logs)."""
+class _TrainFunctionWrapper:
+    """Takes the place of `model.train_function` until `stop`: after
+    `on_train_begin`, Keras's `fit` calls `model.train_function(iterator)`
+    once per `steps_per_execution` batches."""
 
-    def __init__(self, model, steps):
+    def __init__(self, model):
         self._model = model
-        self._train_function = model.train_function
-        self._per_call = model.steps_per_execution
-        self._remaining = steps
-        self._skipping = True
-        # Keras's `fit` has no argument for a first step. After
-        # `on_train_begin`, it calls `model.train_function(iterator)` once per
-        # `steps_per_execution` batches: this wrapper takes their place.
-        model.train_function = self._skip_or_train
+        self.wrapped = model.train_function
+        self._active = True
+        model.train_function = self
 
     def stop(self):
-        """Puts the model's own train function back, if not done yet."""
-        if self._skipping:
-            self._model.train_function = self._train_function
-            self._skipping = False
+        """Puts back the function it wrapped, if not done yet."""
+        if self._active:
+            self._model.train_function = self.wrapped
+            self._active = False
 
-    def _skip_or_train(self, iterator):
+    @staticmethod
+    def remove_all(model):
+        """Puts back `model`'s own train function."""
+        while isinstance(model.train_function, _TrainFunctionWrapper):
+            model.train_function = model.train_function.wrapped
+
+
+class _BatchSkipper(_TrainFunctionWrapper):
+    """Makes `fit`'s next `steps` batches of `model` pass without training
+    (drawn from the iterator, no logs): Keras's `fit` has no argument for a
+    first step."""
+
+    def __init__(self, model, steps):
+        super().__init__(model)
+        self._per_call = model.steps_per_execution
+        self._remaining = steps
+
+    def __call__(self, iterator):
         if self._remaining <= 0:
-            return self._train_function(iterator)
+            return self.wrapped(iterator)
         for _ in range(min(self._per_call, self._remaining)):
             next(iterator)
         self._remaining -= self._per_call
         if self._remaining <= 0:
             self.stop()
         return {}
+
+
+class _Rescuer(_TrainFunctionWrapper):
+    """Calls `rescue()` when a step's collective fails, then raises on."""
+
+    def __init__(self, model, rescue):
+        super().__init__(model)
+        self._rescue = rescue
+
+    def __call__(self, iterator):
+        try:
+            return self.wrapped(iterator)
+        except tf.errors.OpError:
+            self._rescue()
+            raise
 
 
 def _sum_over_replicas(strategy, value):

@@ -1,4 +1,5 @@
-"""The files of a `BackupAndRestore` directory, each task's written atomically."""
+"""The files of a `BackupAndRestore` directory, each task's written atomically:
+backups, the pointer to the latest, and survivors' rescues."""
 
 import json
 import os
@@ -13,6 +14,10 @@ _FORMAT = 2
 # Each task writes its own files: Keras's workers all write one
 # `latest.weights.h5` and clash on a shared filesystem.
 _STATE_FILE = re.compile(r"^ckpt-(\d+)\.(.+)\.npz(\.tmp)?$")
+# A survivor's state after step <step> of epoch <epoch> (`tf_agn.resuming.rescue`).
+_RESCUE_FILE = re.compile(r"^rescue-(\d+)-(\d+)\.(.+)\.npz(\.tmp)?$")
+# The key of the pointer (as JSON) among a rescue file's arrays.
+_RESCUE_POINTER = "rescue/pointer"
 
 
 class Task:
@@ -38,8 +43,8 @@ class Task:
 
 class BackupFiles:
     """The files `task` reads and writes in `backup_dir`: its own
-    `ckpt-<n>.<task>.npz`, and for the chief the pointer naming the latest
-    complete backup."""
+    `ckpt-<n>.<task>.npz` and `rescue-<epoch>-<step>.<task>.npz`, and for
+    the chief the pointer naming the latest complete backup."""
 
     def __init__(self, backup_dir, task):
         self._backup_dir = backup_dir
@@ -61,13 +66,13 @@ class BackupFiles:
             )
         return pointer
 
-    def write_pointer(
+    def pointer(
         self, checkpoint, epoch, step, num_replicas_in_sync, steps_per_epoch=None,
         shards=(),
     ):
-        """Publishes backup `checkpoint`, which resumes at `step` of `epoch`;
-        `shards` lists the positions of sharded state variables."""
-        pointer = {
+        """The pointer to backup `checkpoint`, which resumes at `step` of
+        `epoch`; `shards` lists the positions of sharded state variables."""
+        return {
             "format": _FORMAT,
             "checkpoint": checkpoint,
             "epoch": epoch,
@@ -77,6 +82,9 @@ class BackupFiles:
             "steps_per_epoch": steps_per_epoch,
             "shards": list(shards),
         }
+
+    def write_pointer(self, pointer):
+        """Publishes the backup that `pointer` (a dict from `pointer()`) names."""
         _write_atomically(self._pointer, lambda f: f.write(json.dumps(pointer).encode()))
 
     def write_state(self, checkpoint, arrays):
@@ -96,10 +104,40 @@ class BackupFiles:
                 "backup directory changed by hand?"
             ) from None
 
+    def write_rescue(self, pointer, arrays):
+        """Writes this task's rescue: `arrays` as `write_state` takes them,
+        with `pointer`, which says where they resume."""
+        name = f"rescue-{pointer['epoch']}-{pointer['step']}.{self._task.name}.npz"
+        arrays = dict(arrays, **{_RESCUE_POINTER: np.array(json.dumps(pointer))})
+        _write_atomically(os.path.join(self._backup_dir, name), lambda f: np.savez(f, **arrays))
+
+    def rescues(self):
+        """{(epoch, step): {task name: path}} of every task's whole rescue files."""
+        found = {}
+        for name in os.listdir(self._backup_dir):
+            match = _RESCUE_FILE.match(name)
+            if match and not match.group(4):
+                key = (int(match.group(1)), int(match.group(2)))
+                found.setdefault(key, {})[match.group(3)] = os.path.join(self._backup_dir, name)
+        return found
+
+    @staticmethod
+    def read_rescue(path):
+        """(pointer, arrays) of the rescue file `path`."""
+        with np.load(path) as npz:
+            arrays = dict(npz)
+        return json.loads(str(arrays.pop(_RESCUE_POINTER))), arrays
+
+    def remove_rescues(self):
+        """Removes every task's rescue files."""
+        for paths in self.rescues().values():
+            for path in paths.values():
+                os.remove(path)
+
     def remove_states_older_than(self, checkpoint):
         """Removes this task's files of the backups before `checkpoint`."""
         for path in self._own_files():
-            if _checkpoint_of(path) < checkpoint:
+            if _STATE_FILE.match(os.path.basename(path)) and _checkpoint_of(path) < checkpoint:
                 os.remove(path)
 
     def remove_temporary_files(self):
@@ -114,7 +152,7 @@ class BackupFiles:
         if os.path.exists(self._pointer):
             os.remove(self._pointer)
         for name in os.listdir(self._backup_dir):
-            if _STATE_FILE.match(name) or name == POINTER + ".tmp":
+            if _STATE_FILE.match(name) or _RESCUE_FILE.match(name) or name == POINTER + ".tmp":
                 os.remove(os.path.join(self._backup_dir, name))
         if not os.listdir(self._backup_dir):
             os.rmdir(self._backup_dir)
@@ -153,4 +191,7 @@ def _checkpoint_of(path):
 
 def _task_of(name):
     match = _STATE_FILE.match(name)
-    return match.group(2) if match else None
+    if match:
+        return match.group(2)
+    match = _RESCUE_FILE.match(name)
+    return match.group(3) if match else None
