@@ -1,17 +1,27 @@
 """Runs the examples end to end, as a user would, and tests the flags they
 share (`tf_agn.strategies.define_flags`, `strategy_from_flags`)."""
 
+import json
 import math
 import os
 import re
+import signal
 import sys
+import time
 
 from absl import flags
 import pytest
 
 import tf_agn
 
+from scripts import cluster_env
+from scripts import launch
 from scripts import run_python
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
+from launched import launcher_workers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_MIRRORED = os.path.join(ROOT, "examples", "mnist_mirrored.py")
@@ -71,6 +81,58 @@ def test_streaming_diloco_text_learns_across_two_worker_processes():
     assert len(losses) == 2 and len(set(losses)) == 1, stdout
     assert float(losses[0]) < 3.0
     assert len(sent) == 2 and len(set(sent)) == 1 and int(sent[0]) > 0
+
+
+@pytest.mark.slow
+def test_mnist_mirrored_survives_a_killed_worker_with_no_step_lost(tmp_path):
+    """The README's 2-worker command with backups every 10 steps: worker 1
+    is SIGKILLed mid-epoch, from outside, a few steps after a backup. Worker 0
+    saves the last step both completed, the restarted job resumes there,
+    past the last backup, and ends with the uninterrupted run's accuracy
+    (the same weights, unshuffled batches)."""
+    def command(backup_dir):
+        return [sys.executable, MNIST_MIRRORED, "--train_samples=2000", "--epochs=2",
+                "--batch_size=64", f"--backup_dir={backup_dir}", "--save_freq=10",
+                "--verbose=0"]
+
+    code, clean = launch(["--multi_worker", "2"], command(tmp_path / "clean"), cluster_env())
+    assert code == 0, clean
+    killed_after = []
+
+    def backed_up_at(step, pointer=tmp_path / "backup" / "latest.json"):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(pointer.read_text())["step"] >= step:
+                    return time.monotonic()
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+            time.sleep(0.02)
+        raise AssertionError(f"no backup at step {step} of epoch 0")
+
+    def kill_worker_1(process):
+        # 31 steps an epoch: the kill comes about 3 steps after the backup
+        # at step 20, timed by the 10 steps before it, well before the
+        # epoch's end.
+        ten_steps = -backed_up_at(10) + backed_up_at(20)
+        time.sleep(0.3 * ten_steps)
+        backed_up = json.loads((tmp_path / "backup" / "latest.json").read_text())
+        (pid,) = [pid for pid, index in launcher_workers(process.pid).items() if index == 1]
+        os.kill(pid, signal.SIGKILL)
+        killed_after.append((backed_up["epoch"], backed_up["step"]))
+
+    code, output = launch(
+        ["--multi_worker", "2", "--max_restarts", "3"], command(tmp_path / "backup"),
+        cluster_env(), timeout=600, after_start=kill_worker_1,
+    )
+    assert code == 0, output
+    assert "Worker slot 1 was killed by SIGKILL; restarting every worker" in output, output
+    resumed = re.search(r"resuming at epoch (\d+), step (\d+), the last step every survivor "
+                        r"completed, from their rescue \(worker-1 lost\)", output)
+    assert resumed, output
+    assert (int(resumed[1]), int(resumed[2])) > killed_after[0], (resumed[0], killed_after)
+    accuracy = re.findall(r"^test_accuracy=(\S+)$", output, re.MULTILINE)
+    assert accuracy == re.findall(r"^test_accuracy=(\S+)$", clean, re.MULTILINE), (output, clean)
 
 
 @pytest.mark.slow
