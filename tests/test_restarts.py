@@ -640,29 +640,40 @@ def _results(workdir, workers=2):
     return got
 
 
-def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(tmp_path):
-    """Worker 0, the coordination service's host, is SIGKILLed before
-    step 12 with backups only every epoch (the last after step 8): worker
-    1 saves steps 10 and 11 as its collectives fail, and the restarted job
-    resumes after step 11, training no step twice."""
+@pytest.mark.parametrize("optimizer, lost", [
+    # Worker 0 hosts the coordination service; worker 1's part of the
+    # sharded moments comes from worker 0's peer copy.
+    ("adam_sharded", 0),
+    pytest.param("adam", 1, marks=pytest.mark.slow),
+])
+def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(
+    tmp_path, optimizer, lost
+):
+    """A worker is SIGKILLed before step 12 with backups only every epoch
+    (the last after step 8): the other saves steps 10 and 11 as its
+    collectives fail, and the restarted job resumes after step 11, training
+    no step twice, and ends at the uninterrupted run's state."""
     code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
-        [sys.executable, WORKER_SCRIPT, str(tmp_path), "--optimizer=adam", "--save_freq=epoch",
-         "--kill_worker", "0", f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+        [sys.executable, WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
+         "--save_freq=epoch", "--kill_worker", str(lost), f"--kill_epoch={KILL_EPOCH}",
+         f"--kill_batch={KILL_BATCH}"],
         cluster_env(),
     )
     assert code == 0, output
-    assert "Worker slot 0 was killed by SIGKILL; restarting every worker" in output, output
-    assert ("[worker 1] BackupAndRestore: a collective failed (a peer lost?); saved the last "
-            "steps this worker completed, up to epoch 2, step 3") in output, output
+    assert f"Worker slot {lost} was killed by SIGKILL; restarting every worker" in output, output
+    survivor = 1 - lost
+    assert (f"[worker {survivor}] " * survivor + "BackupAndRestore: a collective failed (a peer "
+            "lost?); saved the last steps this worker completed, up to epoch 2, step 3"
+            ) in output, output
     assert ("BackupAndRestore: resuming at epoch 2, step 3, the last step every survivor "
-            "completed, from their rescue (worker-0 lost).") in output, output
+            f"completed, from their rescue (worker-{lost} lost).") in output, output
     steps = KILL_EPOCH * 4 + KILL_BATCH
     for task in ("worker-0", "worker-1"):
-        begins = (tmp_path / f"begin-adam-{task}.txt").read_text().split()
+        begins = (tmp_path / f"begin-{optimizer}-{task}.txt").read_text().split()
         assert begins == ["0", str(steps)], (task, begins)
     reference = restart_model.build_model(
-        tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS["adam"]
+        tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS[optimizer]
     )
     _fit(reference)
     _assert_states_equal(_results(tmp_path), restart_model.training_state(reference), atol=1e-5)

@@ -78,7 +78,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             every worker after the same step.
         keep_last_steps: whether each worker of a multi-worker job keeps
             its last two completed steps in host memory (twice its training
-            state), for its rescue when a peer is lost.
+            state, sharded state whole), for its rescue when a peer is
+            lost; with sharded optimizer state, every step then gathers
+            every worker's part (`tf_agn.resuming.rescue`).
 
     Raises:
         ValueError: for a bad `backup_dir`, `save_freq` or
@@ -209,7 +211,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         arrays = self._arrays()
         if self._snapshots is not None:
-            self._snapshots.take(self._pointer(self._next_checkpoint - 1, epoch, step), arrays)
+            pointer = self._pointer(self._next_checkpoint - 1, epoch, step)
+            self._snapshots.take(pointer, dict(arrays, **self._peer_copies(pointer["shards"])))
         if saving:
             self._steps_since_save = 0
             self._save(epoch, step, arrays)
@@ -258,6 +261,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         arrays = local_copies(strategy, self._state_variables(), "state")
         arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
         return arrays
+
+    def _peer_copies(self, positions):
+        """Every replica's part of the sharded state at `positions`."""
+        if not positions:
+            return {}
+        variables = self._state_variables()
+        try:
+            return rescue_lib.gather_parts(
+                self.model.distribute_strategy, [variables[p] for p in positions]
+            )
+        except tf.errors.OpError:  # a peer was lost
+            self._write_rescue()
+            raise
 
     def _pointer(self, checkpoint, epoch, step):
         return self._files.pointer(

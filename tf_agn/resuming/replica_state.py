@@ -11,7 +11,7 @@ def local_copies(strategy, variables, prefix):
     arrays = {}
     for index, variable in enumerate(variables):
         # Keras saves only replica 0's copy; local steps make copies differ.
-        copies = strategy.experimental_local_results(_tf_variable(variable))
+        copies = strategy.experimental_local_results(tf_variable(variable))
         first = copies[0].numpy()
         arrays[f"{prefix}/{index}/0"] = first
         for replica, copy in enumerate(copies[1:], start=1):
@@ -32,7 +32,7 @@ def assign_local_copies(strategy, variables, arrays, prefix):
         )
     for index, variable in enumerate(variables):
         first = arrays[f"{prefix}/{index}/0"]
-        copies = strategy.experimental_local_results(_tf_variable(variable))
+        copies = strategy.experimental_local_results(tf_variable(variable))
         if tuple(first.shape) != tuple(copies[0].shape):
             raise ValueError(
                 f"The backup's {prefix} variable {index} has shape "
@@ -46,9 +46,11 @@ def assign_local_copies(strategy, variables, arrays, prefix):
 def assign_every_copy(strategy, variables, values):
     """Puts `values[i]` on every local copy of `variables[i]`."""
     for variable, value in zip(variables, values, strict=True):
-        for copy in strategy.experimental_local_results(_tf_variable(variable)):
+        for copy in strategy.experimental_local_results(tf_variable(variable)):
             copy.assign(value)
 
 
-def _tf_variable(variable):
+def tf_variable(variable):
+    """The TensorFlow variable under a Keras one (a distributed one under a
+    strategy)."""
     return variable.value if isinstance(variable, keras.Variable) else variable

@@ -17,18 +17,31 @@ A lost worker's own state goes with it. Its copy of what every replica
 holds alike (synchronous weights, the optimizer's state) is any
 survivor's. Its BatchNorm statistics are a survivor's, as Keras's own
 `save` keeps replica 0's, and so are its metrics' totals, which only the
-interrupted epoch's logs read. State that only it held (a window's local
-steps, its part of sharded optimizer state, gradient accumulators, error
-feedback residuals) no survivor has: then the rescue is not used and the
-job resumes from the last backup, saying why.
+interrupted epoch's logs read. Its part of sharded optimizer state is cut
+from the survivors' peer copies: with each snapshot, every worker gathers
+every replica's part (`gather_parts`), so a step costs, on top of its own
+exchange, (n - 1)/n of the sharded state received per worker (8Ψ(n - 1)/n
+bytes for Adam's moments of Ψ float32 parameters), and each snapshot holds
+the whole state. State that only the lost worker held and nobody copies (a
+window's local steps, gradient accumulators, error feedback residuals) no
+survivor has: then the rescue is not used and the job resumes from the last
+backup, saying why.
 """
 
 import collections
 import typing
 
+import numpy as np
+import tensorflow as tf
+
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.windowed import WindowedOptimizer
 from tf_agn.resuming.backup_files import BackupFiles
+from tf_agn.resuming.replica_state import tf_variable
+
+# The prefix of a snapshot's gathered parts of sharded state, one flat array
+# per dtype (`gather_parts`).
+_PEER = "peer/"
 
 
 class Snapshot(typing.NamedTuple):
@@ -66,9 +79,57 @@ class Rescue(typing.NamedTuple):
     read: typing.Callable[[str], dict]
 
 
-def own_state(model) -> list[str]:
+def gather_parts(strategy, variables) -> dict:
+    """Every replica's part of the sharded state `variables`, gathered from
+    every worker: {"peer/<dtype>": one flat array, replica after replica
+    (in the order of `strategy.gather`), each replica's parts in
+    `variables`' order}.
+
+    Raises:
+        tf.errors.OpError: if a peer is lost meanwhile.
+    """
+    local = len(strategy.extended.worker_devices)
+    gathered = {}
+    for dtype in sorted({tf.as_dtype(v.dtype).name for v in variables}):
+        group = [v for v in variables if tf.as_dtype(v.dtype).name == dtype]
+
+        def parts(context, group=group):
+            index = context.replica_id_in_sync_group % local
+            return tf.concat([
+                tf.reshape(strategy.experimental_local_results(tf_variable(v))[index], [-1])
+                for v in group
+            ], 0)
+
+        per_replica = strategy.experimental_distribute_values_from_function(parts)
+        gathered[_PEER + dtype] = strategy.gather(per_replica, axis=0).numpy()
+    return gathered
+
+
+def _lost_parts(survivor, positions, replicas):
+    """A lost task's copies of the sharded state at `positions` (its
+    "state/<position>/<local replica>" arrays, for global `replicas`), cut
+    from a survivor's arrays and their `gather_parts`."""
+    cut = {}
+    by_dtype = collections.defaultdict(list)
+    for position in positions:
+        by_dtype[tf.as_dtype(survivor[f"state/{position}/0"].dtype).name].append(position)
+    for dtype, group in by_dtype.items():
+        flat = survivor[_PEER + dtype]
+        shapes = [survivor[f"state/{position}/0"].shape for position in group]
+        per_replica = sum(int(np.prod(shape)) for shape in shapes)
+        for local, replica in enumerate(replicas):
+            offset = replica * per_replica
+            for position, shape in zip(group, shapes):
+                size = int(np.prod(shape))
+                cut[f"state/{position}/{local}"] = flat[offset:offset + size].reshape(shape)
+                offset += size
+    return cut
+
+
+def own_state(model, peer_copies=False) -> list[str]:
     """What each replica of `model` holds of its own that a lost worker's
-    survivors cannot give back, in words (empty if nothing)."""
+    survivors cannot give back, in words (empty if nothing); with
+    `peer_copies`, sharded state is not among it."""
     optimizer = model.optimizer
     if optimizer is None:
         return []
@@ -76,7 +137,7 @@ def own_state(model) -> list[str]:
     if isinstance(optimizer, WindowedOptimizer):
         found.append(f"its local steps in {type(optimizer).__name__}'s window")
     for aggregating in saving.aggregating_within(optimizer):
-        if aggregating.shards:
+        if aggregating.shards and not peer_copies:
             found.append("its part of the sharded optimizer state")
         if aggregating.summed_variables():
             found.append("its gradient accumulators")
@@ -105,13 +166,14 @@ def find(files: BackupFiles, after: dict | None, model, say: bool) -> Rescue | N
         return None
     found = by_step[max(common)]
     read = {task: files.read_rescue(path) for task, path in found.items()}
-    pointer = next(iter(read.values()))[0]
+    pointer, survivor = read[min(found)]
     lost = [task for task in pointer["tasks"] if task not in found]
     where = f"epoch {pointer['epoch']}, step {pointer['step']}"
-    if lost and own_state(model):
+    unrecoverable = own_state(model, peer_copies=any(k.startswith(_PEER) for k in survivor))
+    if lost and unrecoverable:
         if say:
             print(
-                f"BackupAndRestore: {', '.join(lost)} lost {'; '.join(own_state(model))}; "
+                f"BackupAndRestore: {', '.join(lost)} lost {'; '.join(unrecoverable)}; "
                 f"the survivors' rescue at {where} cannot be used: resuming from the "
                 "last backup.",
                 flush=True,
@@ -123,5 +185,13 @@ def find(files: BackupFiles, after: dict | None, model, say: bool) -> Rescue | N
             f"completed, from their rescue" + (f" ({', '.join(lost)} lost)." if lost else "."),
             flush=True,
         )
-    survivor = read[min(found)][1]
-    return Rescue(pointer, lambda task: read[task][1] if task in read else survivor)
+    per_task = pointer["num_replicas_in_sync"] // len(pointer["tasks"])
+
+    def arrays_of(task):
+        if task in read:
+            return read[task][1]
+        first = pointer["tasks"].index(task) * per_task
+        replicas = range(first, first + per_task)
+        return dict(survivor, **_lost_parts(survivor, pointer["shards"], replicas))
+
+    return Rescue(pointer, arrays_of)

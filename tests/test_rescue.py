@@ -1,0 +1,111 @@
+"""tf_agn/resuming/rescue.py in one process: which rescue a restarted job
+resumes from, and a lost task's part of sharded state cut from a
+survivor's gathered copies (4 replicas here, read as 2 tasks of 2).
+
+Real lost workers, killed mid-step, are in tests/test_restarts.py."""
+
+import numpy as np
+import pytest
+
+import restart_model
+import tf_agn
+from tf_agn.resuming import rescue
+from tf_agn.resuming import resizing
+from tf_agn.resuming.backup_files import BackupFiles
+from tf_agn.resuming.backup_files import Task
+from tf_agn.resuming.replica_state import local_copies
+
+TASKS = ["worker-0", "worker-1", "worker-2"]
+
+
+def _pointer(files, epoch, step, checkpoint=0):
+    return files.pointer(checkpoint, epoch, step, len(TASKS), 4)
+
+
+def _files(tmp_path, task="worker-0"):
+    return BackupFiles(str(tmp_path), Task(task, task == TASKS[0], TASKS))
+
+
+def _rescue(tmp_path, task, epoch, step, value):
+    files = _files(tmp_path, task)
+    files.write_rescue(_pointer(files, epoch, step), {"state/0/0": np.array([value])})
+
+
+def _built(optimizer):
+    """restart_model's model with `optimizer`, built as `fit` begins."""
+    strategy = tf_agn.strategies.mirrored()
+    model = restart_model.build_model(strategy, restart_model.OPTIMIZERS[optimizer])
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+@pytest.fixture(scope="module")
+def plain_model():
+    return _built("adam")
+
+
+def test_the_latest_step_every_rescuing_task_saved_is_chosen(tmp_path, plain_model, capsys):
+    # worker-0 got one step further than worker-1; worker-2 was lost.
+    for step in (5, 6):
+        _rescue(tmp_path, "worker-0", 1, step, 10.0 * step)
+    for step in (4, 5):
+        _rescue(tmp_path, "worker-1", 1, step, 20.0 * step)
+    found = rescue.find(_files(tmp_path), None, plain_model, say=True)
+    assert (found.pointer["epoch"], found.pointer["step"]) == (1, 5)
+    assert found.read("worker-0")["state/0/0"] == [50.0]
+    assert found.read("worker-1")["state/0/0"] == [100.0]
+    # The lost task's state is a survivor's (worker-0, the first).
+    assert found.read("worker-2")["state/0/0"] == [50.0]
+    assert ("resuming at epoch 1, step 5, the last step every survivor completed, from "
+            "their rescue (worker-2 lost).") in capsys.readouterr().out
+
+
+def test_no_rescue_without_a_common_step_or_newer_than_the_backup(tmp_path, plain_model):
+    files = _files(tmp_path)
+    assert rescue.find(files, None, plain_model, say=False) is None  # none at all
+    _rescue(tmp_path, "worker-0", 1, 6, 1.0)
+    _rescue(tmp_path, "worker-1", 1, 4, 2.0)
+    assert rescue.find(files, None, plain_model, say=False) is None  # nothing in common
+    _rescue(tmp_path, "worker-1", 1, 6, 2.0)
+    assert rescue.find(files, _pointer(files, 1, 6), plain_model, say=False) is None
+    assert rescue.find(files, _pointer(files, 1, 5), plain_model, say=False) is not None
+    # A half-written file (its writer killed) is not read; nor after removal.
+    (tmp_path / "rescue-1-7.worker-0.npz.tmp").write_bytes(b"half")
+    assert set(files.rescues()) == {(1, 4), (1, 6)}
+    files.remove_rescues()
+    assert files.rescues() == {}
+
+
+def test_state_only_a_lost_worker_held_makes_the_job_fall_back(tmp_path, capsys):
+    model = _built("accumulation")
+    assert rescue.own_state(model) == ["its gradient accumulators"]
+    for task in ("worker-0", "worker-1"):
+        _rescue(tmp_path, task, 0, 2, 1.0)
+    assert rescue.find(_files(tmp_path), None, model, say=True) is None
+    assert ("worker-2 lost its gradient accumulators; the survivors' rescue at epoch 0, "
+            "step 2 cannot be used: resuming from the last backup.") in capsys.readouterr().out
+    # With every task's rescue, nothing was lost.
+    _rescue(tmp_path, "worker-2", 0, 2, 1.0)
+    assert rescue.find(_files(tmp_path), None, model, say=False) is not None
+
+
+def test_a_lost_tasks_sharded_parts_are_cut_from_a_survivors_peer_copies():
+    strategy = tf_agn.strategies.mirrored()
+    model = restart_model.build_model(strategy, restart_model.OPTIMIZERS["adam_sharded"])
+    x, y = restart_model.data()
+    model.fit(x, y, batch_size=restart_model.GLOBAL_BATCH, epochs=1, verbose=0)
+    variables = list(model.variables) + list(model.optimizer.variables)
+    positions = resizing.sharded_positions(model)
+    assert len(positions) >= 4  # the moments of 2 kernels and 2 biases
+    gathered = rescue.gather_parts(strategy, [variables[p] for p in positions])
+    assert list(gathered) == ["peer/float32"]
+    survivor = dict(local_copies(strategy, variables, "state"), **gathered)
+    # Read as 2 tasks of 2 replicas: the second task's replicas are 2 and 3.
+    cut = rescue._lost_parts(survivor, positions, range(2, 4))
+    assert sorted(cut) == sorted(f"state/{p}/{r}" for p in positions for r in range(2))
+    for p in positions:
+        copies = tf_agn.replica_weights([variables[p]])
+        assert not np.array_equal(copies[2][0], copies[0][0])  # parts differ
+        for local, replica in enumerate((2, 3)):
+            np.testing.assert_array_equal(cut[f"state/{p}/{local}"], copies[replica][0])
