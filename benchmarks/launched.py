@@ -36,3 +36,23 @@ def launcher_workers(launcher_pid):
         if parent == launcher_pid and b"TF_CONFIG" in environ:
             found[int(pid)] = json.loads(environ[b"TF_CONFIG"])["task"]["index"]
     return found
+
+
+def mlp_job(strategy, units, batch_size, make_optimizer):
+    """A worker's job in the preemption and rescue-cost benchmarks: an MLP
+    784-`units`-10 compiled with `make_optimizer()` in `strategy`'s scope, and an
+    endless dataset of 8 random batches of `batch_size`. Returns
+    (model, dataset)."""
+    import numpy as np  # a worker's imports: the launcher side needs none
+    import tensorflow as tf
+
+    import tf_agn
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch_size * 8, 784)).astype("float32")
+    y = rng.integers(0, 10, len(x))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch_size)
+    with strategy.scope():
+        model = tf_agn.models.mlp((784,), 10, hidden_units=[int(u) for u in units])
+        model.compile(optimizer=make_optimizer(), loss="sparse_categorical_crossentropy")
+    return model, dataset

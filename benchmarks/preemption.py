@@ -66,24 +66,17 @@ def worker_main():
     """One worker: trains until the notice, or (restarted) one step."""
     log("started", at=START)
     import keras
-    import numpy as np
-    import tensorflow as tf
 
-    import tf_agn
+    import tf_agn  # TensorFlow with it
 
     log("imported")
     strategy = tf_agn.strategies.multi_worker_mirrored()
     log("connected")
     restart = int(os.environ["TF_AGN_RESTART_COUNT"])
     steps = FLAGS.steps_before + 1000  # the notice comes long before the end
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(FLAGS.batch_size * 8, 784)).astype("float32")
-    y = rng.integers(0, 10, len(x))
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(FLAGS.batch_size)
-    with strategy.scope():
-        model = tf_agn.models.mlp((784,), 10, hidden_units=[int(u) for u in FLAGS.units])
-        model.compile(optimizer=tf_agn.optimizers.Adam(1e-4),
-                      loss="sparse_categorical_crossentropy")
+    model, dataset = launched.mlp_job(
+        strategy, FLAGS.units, FLAGS.batch_size, lambda: tf_agn.optimizers.Adam(1e-4)
+    )
     log("built", parameters=int(model.count_params()))
 
     class Marks(keras.callbacks.Callback):

@@ -10,11 +10,12 @@ and handles it as a lost one. Elsewhere, any supervisor can read the
 file's age (a Kubernetes `livenessProbe`); under systemd, the same thread
 also pings the service manager's watchdog (`WatchdogSec=`).
 
-Given `on_abort`, the same thread answers a supervisor that lost one of
-this worker's peers: once `<heartbeat file>.abort` exists
-(`request_abort`), it calls `on_abort` (`multi_worker_mirrored` aborts the
-process's collectives, so that a step waiting for the lost peer raises at
-once rather than after TensorFlow's health check, 7 to 11 s here, and
+Once given `on_abort` (`answer_aborts`), the same thread answers a
+supervisor that lost one of this worker's peers: when `<heartbeat
+file>.abort` exists (`request_abort`), it calls `on_abort`
+(`multi_worker_mirrored`, once connected, aborts the process's
+collectives, so that a step waiting for the lost peer raises at once
+rather than after TensorFlow's health check, 7 to 11 s here, and
 `tf_agn.callbacks.BackupAndRestore` saves the last completed step). The
 file then reads "answers abort" (`answers_abort`), so that a supervisor
 waits for such a worker to save, and kills any other at once.
@@ -38,15 +39,13 @@ _ABORT_POLL_S = 0.1
 DEFAULT_HANG_TIMEOUT_S = 10.0
 
 _started = threading.Event()
+# What the thread calls on an abort request; None: requests are ignored.
+_on_abort = None
 
 
-def start_from_environment(on_abort: typing.Callable[[], None] | None = None) -> bool:
+def start_from_environment() -> bool:
     """Starts this process's heartbeat thread, once, if a supervisor asked
     for it (`HEARTBEAT_FILE_VARIABLE`, or systemd's `WATCHDOG_USEC`).
-
-    Args:
-        on_abort: called from the thread when the supervisor asks this
-            worker to stop waiting for a lost peer; None ignores requests.
 
     Returns:
         Whether a heartbeat runs.
@@ -58,10 +57,20 @@ def start_from_environment(on_abort: typing.Callable[[], None] | None = None) ->
     if not _started.is_set():
         _started.set()
         threading.Thread(
-            target=_beat, args=(path, watchdog, on_abort), name="tf_agn-heartbeat",
-            daemon=True,
+            target=_beat, args=(path, watchdog), name="tf_agn-heartbeat", daemon=True
         ).start()
     return True
+
+
+def answer_aborts(on_abort: typing.Callable[[], None]) -> None:
+    """From now on, answers a supervisor's abort requests with
+    `on_abort()`, called from the heartbeat thread."""
+    global _on_abort
+    _on_abort = on_abort
+    path = os.environ.get(HEARTBEAT_FILE_VARIABLE)
+    if path:
+        with open(path, "w") as f:  # a write touches it too
+            f.write(_ANSWERS_ABORT)
 
 
 def age_s(path: str) -> float | None:
@@ -89,10 +98,7 @@ def request_abort(path: str) -> None:
         pass
 
 
-def _beat(path: str | None, watchdog, on_abort) -> None:
-    if path:
-        with open(path, "w") as f:
-            f.write(_ANSWERS_ABORT if on_abort else "")
+def _beat(path: str | None, watchdog) -> None:
     next_beat = 0.0
     while True:
         if time.monotonic() >= next_beat:
@@ -103,9 +109,9 @@ def _beat(path: str | None, watchdog, on_abort) -> None:
                 os.utime(path)
             if watchdog is not None:
                 watchdog.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"].replace("@", "\0", 1))
-        if path and on_abort and os.path.exists(path + ".abort"):
+        if path and _on_abort is not None and os.path.exists(path + ".abort"):
             os.remove(path + ".abort")
-            on_abort()
+            _on_abort()
         time.sleep(_ABORT_POLL_S)
 
 

@@ -20,6 +20,7 @@ import threading
 
 from tf_agn.resuming.preemption import PREEMPTED_EXIT_CODE
 from tf_agn.strategies import heartbeat
+from tf_agn.strategies import standby
 from tf_agn.strategies import worker_group
 from tf_agn.strategies.cluster import LocalCluster
 from tf_agn.strategies.worker_group import Outcome
@@ -208,7 +209,10 @@ def run_workers(
     `tf_agn.callbacks.BackupAndRestore`); a dropped slot rejoins at the
     restart after that. SIGTERM to the launcher is passed on to every
     worker (a preemption notice); Ctrl-C stops everything, never
-    restarting. Each event is printed.
+    restarting. Each event is printed. With `max_restarts`, a `python
+    SCRIPT` or `python -m MODULE` command's restarted workers start on
+    warm standbys (`tf_agn.strategies.standby`), skipping the import of
+    TensorFlow.
 
     Args:
         command: the command line every worker runs.
@@ -228,11 +232,25 @@ def run_workers(
         for a worker killed by signal N, 128 + SIGINT when interrupted).
     """
     slots = _Slots(num_workers, min_workers or num_workers, slot_failures)
+    # Restarted workers start on standbys that imported TensorFlow while the
+    # group before them ran; none when no restart is allowed (a preemption's
+    # restart then starts afresh).
+    standbys = standby.Pool(command, num_workers if max_restarts else 0)
+    try:
+        return _run_groups(command, slots, max_restarts, hang_timeout_s, backup_grace_s,
+                           standbys)
+    finally:
+        standbys.close()
+
+
+def _run_groups(command, slots, max_restarts, hang_timeout_s, backup_grace_s, standbys):
+    """`run_workers`'s groups, one after the other; returns its code."""
     terminated = []
     restarts = groups = 0
     while True:
         group = worker_group.WorkerGroup(
-            command, slots.active, hang_timeout_s, backup_grace_s, restart_count=groups
+            command, slots.active, hang_timeout_s, backup_grace_s, restart_count=groups,
+            standbys=standbys,
         )
         groups += 1
 

@@ -130,9 +130,8 @@ def multi_worker_mirrored(
     ```
     """
     # First: a supervisor that watches heartbeats sees this worker alive
-    # through the waits below and every long step after; one that lost a
-    # peer stops waiting for it at once.
-    heartbeat.start_from_environment(on_abort=_abort_collectives)
+    # through the waits below and every long step after.
+    heartbeat.start_from_environment()
     if ops_kwargs.get("transport", "collective") != "collective":
         raise ValueError(
             'multi_worker_mirrored reduces across workers: transport must be '
@@ -187,6 +186,9 @@ def multi_worker_mirrored(
         agreement.check_agreement(
             ops, strategy.extended.worker_devices, connect_timeout_seconds
         )
+    # Connected: a supervisor that lost a peer may now make this worker
+    # stop waiting for it (before, it is killed like any other).
+    heartbeat.answer_aborts(_abort_collectives)
     return strategy
 
 

@@ -90,15 +90,19 @@ class WorkerGroup:
             collectives (`heartbeat.request_abort`) and saves the last step
             it completed (`tf_agn.callbacks.BackupAndRestore`).
         restart_count: how many groups ran before this one.
+        standbys: where workers come from when `command` runs on warm
+            standby processes (`standby.Pool`), or None.
     """
 
     def __init__(
-        self, command, slots, hang_timeout_s=None, backup_grace_s=120.0, restart_count=0
+        self, command, slots, hang_timeout_s=None, backup_grace_s=120.0, restart_count=0,
+        standbys=None,
     ):
         self._command, self._slots = command, list(slots)
         self._restart_count = restart_count
         self._hang_timeout_s = hang_timeout_s
         self._backup_grace_s = backup_grace_s
+        self._standbys = standbys
         self._processes = []
         # Reentrant: `forward` runs in a signal handler, on the main thread.
         self._lock = threading.RLock()
@@ -134,6 +138,8 @@ class WorkerGroup:
                         },
                     )
                     relays += self._start(env, index)
+                if self._standbys is not None:
+                    self._standbys.fill()  # for the next group, while this one runs
                 result = self._watch(hearts)
                 if result.outcome in (Outcome.FAILED, Outcome.HUNG):
                     self._let_survivors_save(hearts)
@@ -150,17 +156,23 @@ class WorkerGroup:
                     relay.join(timeout=5)
 
     def _start(self, env, index):
-        pipe = subprocess.PIPE if index else None
-        process = subprocess.Popen(
-            self._command, env=env, stdout=pipe,
-            stderr=subprocess.STDOUT if index else None, text=True,
-        )
+        standby = self._standbys.take() if self._standbys is not None else None
+        if standby is not None:
+            standby.start(env, self._command[1:])
+            process = standby.process
+        else:
+            pipe = subprocess.PIPE if index else None
+            process = subprocess.Popen(
+                self._command, env=env, stdout=pipe,
+                stderr=subprocess.STDOUT if index else None, text=True,
+            )
         with self._lock:
             self._processes.append(process)
-        if not index:
+        if process.stdout is None:  # worker 0's output passes through
             return []
         relay = threading.Thread(
-            target=_relay, args=(process.stdout, f"[worker {index}] "), daemon=True
+            target=_relay, args=(process.stdout, f"[worker {index}] " if index else ""),
+            daemon=True,
         )
         relay.start()
         return [relay]

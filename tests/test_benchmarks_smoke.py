@@ -1,5 +1,5 @@
 """Runs benchmarks/step_overhead.py, compression.py, sharding.py,
-streaming_diloco.py, overlap.py, preemption.py and chaos.py on tiny
+streaming_diloco.py, overlap.py, preemption.py, chaos.py and rescue_cost.py on tiny
 settings: each must run, print its tables and a
 verdict per target. The timings themselves are not checked (the
 machine is shared); the benchmark's own PASS/FAIL lines are for people."""
@@ -320,3 +320,17 @@ def test_chaos_runs_and_reports():
     for check in ("no step trained twice", "weights bitwise"):
         assert f"PASS: sigterm: {check}" in out, out
     assert re.search(r"^(PASS|FAIL): sigterm: goodput >= 0.85", out, re.M), out
+
+
+@pytest.mark.slow
+def test_rescue_cost_runs_and_reports():
+    # A 50,890-parameter MLP, plain Adam only: two launches of 2 workers.
+    result = run_python(
+        os.path.join(ROOT, "benchmarks", "rescue_cost.py"),
+        "--units=64", "--steps=3", "--warmup=2", "--optimizers=adam", timeout=300,
+    )
+    out = result.stdout
+    assert "MLP 784-64-10 (50,890 parameters)" in out, out + result.stderr
+    row = re.search(r"^\| adam \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| 0 \|$", out, re.M)
+    assert row, out
+    assert float(row.group(3)) > 0

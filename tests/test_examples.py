@@ -127,7 +127,7 @@ def test_mnist_mirrored_survives_a_killed_worker_with_no_step_lost(tmp_path):
     )
     assert code == 0, output
     assert "Worker slot 1 was killed by SIGKILL; restarting every worker" in output, output
-    resumed = re.search(r"resuming at epoch (\d+), step (\d+), the last step every survivor "
+    resumed = re.search(r"resuming at epoch (\d+), step (\d+), the last step the survivors "
                         r"completed, from their rescue \(worker-1 lost\)", output)
     assert resumed, output
     assert (int(resumed[1]), int(resumed[2])) > killed_after[0], (resumed[0], killed_after)

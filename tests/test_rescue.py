@@ -45,29 +45,41 @@ def plain_model():
     return _built("adam")
 
 
-def test_the_latest_step_every_rescuing_task_saved_is_chosen(tmp_path, plain_model, capsys):
+def _steps(tmp_path):
     # worker-0 got one step further than worker-1; worker-2 was lost.
     for step in (5, 6):
         _rescue(tmp_path, "worker-0", 1, step, 10.0 * step)
     for step in (4, 5):
         _rescue(tmp_path, "worker-1", 1, step, 20.0 * step)
+
+
+def test_the_latest_step_a_survivor_saved_is_chosen(tmp_path, plain_model, capsys):
+    _steps(tmp_path)
     found = rescue.find(_files(tmp_path), None, plain_model, say=True)
+    assert (found.pointer["epoch"], found.pointer["step"]) == (1, 6)
+    assert found.read("worker-0")["state/0/0"] == [60.0]
+    # The task a step behind and the lost one take worker-0's state.
+    assert found.read("worker-1")["state/0/0"] == [60.0]
+    assert found.read("worker-2")["state/0/0"] == [60.0]
+    assert ("resuming at epoch 1, step 6, the last step the survivors completed, from "
+            "their rescue (worker-2 lost; worker-1 a step behind).") in capsys.readouterr().out
+
+
+def test_with_state_of_their_own_every_task_resumes_from_its_own_step(tmp_path, capsys):
+    _steps(tmp_path)
+    _rescue(tmp_path, "worker-2", 1, 5, 30.0)
+    _rescue(tmp_path, "worker-2", 1, 6, 30.0)
+    found = rescue.find(_files(tmp_path), None, _built("accumulation"), say=True)
     assert (found.pointer["epoch"], found.pointer["step"]) == (1, 5)
-    assert found.read("worker-0")["state/0/0"] == [50.0]
-    assert found.read("worker-1")["state/0/0"] == [100.0]
-    # The lost task's state is a survivor's (worker-0, the first).
-    assert found.read("worker-2")["state/0/0"] == [50.0]
-    assert ("resuming at epoch 1, step 5, the last step every survivor completed, from "
-            "their rescue (worker-2 lost).") in capsys.readouterr().out
+    assert [found.read(f"worker-{i}")["state/0/0"] for i in range(3)] == [[50.0], [100.0], [30.0]]
+    assert "(worker-1 a step behind)" not in capsys.readouterr().out
 
 
-def test_no_rescue_without_a_common_step_or_newer_than_the_backup(tmp_path, plain_model):
+def test_no_rescue_without_one_newer_than_the_backup(tmp_path, plain_model):
     files = _files(tmp_path)
     assert rescue.find(files, None, plain_model, say=False) is None  # none at all
     _rescue(tmp_path, "worker-0", 1, 6, 1.0)
     _rescue(tmp_path, "worker-1", 1, 4, 2.0)
-    assert rescue.find(files, None, plain_model, say=False) is None  # nothing in common
-    _rescue(tmp_path, "worker-1", 1, 6, 2.0)
     assert rescue.find(files, _pointer(files, 1, 6), plain_model, say=False) is None
     assert rescue.find(files, _pointer(files, 1, 5), plain_model, say=False) is not None
     # A half-written file (its writer killed) is not read; nor after removal.

@@ -666,7 +666,7 @@ def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(
     assert (f"[worker {survivor}] " * survivor + "BackupAndRestore: a collective failed (a peer "
             "lost?); saved the last steps this worker completed, up to epoch 2, step 3"
             ) in output, output
-    assert ("BackupAndRestore: resuming at epoch 2, step 3, the last step every survivor "
+    assert ("BackupAndRestore: resuming at epoch 2, step 3, the last step the survivors "
             f"completed, from their rescue (worker-{lost} lost).") in output, output
     steps = KILL_EPOCH * 4 + KILL_BATCH
     for task in ("worker-0", "worker-1"):

@@ -128,6 +128,13 @@ class BackupFiles:
             arrays = dict(npz)
         return json.loads(str(arrays.pop(_RESCUE_POINTER))), arrays
 
+    @staticmethod
+    def read_rescue_pointer(path):
+        """(pointer, the names of its arrays) of the rescue file `path`,
+        without reading the arrays."""
+        with np.load(path) as npz:
+            return json.loads(str(npz[_RESCUE_POINTER])), npz.files
+
     def remove_rescues(self):
         """Removes every task's rescue files."""
         for paths in self.rescues().values():

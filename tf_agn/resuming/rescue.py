@@ -1,4 +1,4 @@
-"""Rescues: the last step every survivor of a lost worker completed, saved
+"""Rescues: the last step the survivors of a lost worker completed, saved
 by the survivors, so that the restarted job resumes there rather than at
 the last backup.
 
@@ -9,9 +9,11 @@ collectives fails, because a peer died or hung and the launcher (or
 TensorFlow's health check) aborted the others' collectives, the worker
 writes both snapshots as rescue files before the error leaves `fit`, and
 exits. A step is never applied on some workers only: the restarted job
-puts every worker at the latest step that every rescuing worker saved
-(`find`). Two snapshots, because a ring all-reduce can finish on one
-worker and not yet on another, so the survivors may be one step apart.
+puts every worker at one step that a survivor saved (`find`). The
+survivors may be one step apart, since a ring all-reduce can finish on one
+worker and not yet on another: the one behind takes the other's state of
+that step, or, where replicas hold state of their own, the one ahead goes
+back to the step before, which it kept too.
 
 A lost worker's own state goes with it. Its copy of what every replica
 holds alike (synchronous weights, the optimizer's state) is any
@@ -148,7 +150,12 @@ def own_state(model, peer_copies=False) -> list[str]:
 
 def find(files: BackupFiles, after: dict | None, model, say: bool) -> Rescue | None:
     """The rescue a restarted job resumes from, if one is newer than the
-    backup `after` (a pointer, or None) and whole.
+    backup `after` (a pointer, or None) and usable.
+
+    That is the latest step any survivor saved, whose state every task
+    that did not save it (lost, or a step behind) takes from one that did;
+    or, where each replica holds state of its own that nobody copies
+    (`own_state`), the latest step every task saved.
 
     Args:
         files: the backup directory's files.
@@ -158,31 +165,40 @@ def find(files: BackupFiles, after: dict | None, model, say: bool) -> Rescue | N
         say: whether to print which rescue is used, or why none.
     """
     by_step = files.rescues()
-    if not by_step:
+    newer = sorted(
+        (key for key in by_step if after is None or key > (after["epoch"], after["step"])),
+        reverse=True,
+    )
+    if not newer:
         return None
-    rescuers = set().union(*by_step.values())
-    common = [key for key, found in by_step.items() if set(found) == rescuers]
-    if not common or (after is not None and max(common) <= (after["epoch"], after["step"])):
-        return None
-    found = by_step[max(common)]
-    read = {task: files.read_rescue(path) for task, path in found.items()}
-    pointer, survivor = read[min(found)]
-    lost = [task for task in pointer["tasks"] if task not in found]
-    where = f"epoch {pointer['epoch']}, step {pointer['step']}"
-    unrecoverable = own_state(model, peer_copies=any(k.startswith(_PEER) for k in survivor))
-    if lost and unrecoverable:
+    pointer, names = files.read_rescue_pointer(next(iter(by_step[newer[0]].values())))
+    unrecoverable = own_state(model, peer_copies=any(n.startswith(_PEER) for n in names))
+    tasks = set(pointer["tasks"])
+    chosen = next(
+        (key for key in newer if not unrecoverable or set(by_step[key]) == tasks), None
+    )
+    lost = sorted(tasks - set().union(*by_step.values()))
+    if chosen is None:
         if say:
             print(
                 f"BackupAndRestore: {', '.join(lost)} lost {'; '.join(unrecoverable)}; "
-                f"the survivors' rescue at {where} cannot be used: resuming from the "
-                "last backup.",
+                f"the survivors' rescue at epoch {newer[0][0]}, step {newer[0][1]} cannot "
+                "be used: resuming from the last backup.",
                 flush=True,
             )
         return None
+    found = by_step[chosen]
+    read = {task: files.read_rescue(path) for task, path in found.items()}
+    pointer, survivor = read[min(found)]
     if say:
+        others = [f"{', '.join(lost)} lost"] if lost else []
+        behind = sorted(tasks - set(found) - set(lost))
+        if behind:
+            others.append(f"{', '.join(behind)} a step behind")
         print(
-            f"BackupAndRestore: resuming at {where}, the last step every survivor "
-            f"completed, from their rescue" + (f" ({', '.join(lost)} lost)." if lost else "."),
+            f"BackupAndRestore: resuming at epoch {chosen[0]}, step {chosen[1]}, the last "
+            "step the survivors completed, from their rescue"
+            + (f" ({'; '.join(others)})." if others else "."),
             flush=True,
         )
     per_task = pointer["num_replicas_in_sync"] // len(pointer["tasks"])
