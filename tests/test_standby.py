@@ -72,13 +72,22 @@ def test_a_pool_starts_standbys_for_python_commands_only_and_closes_them():
     assert pool.take() is None
 
 
-# Attempt 1 fails at once; attempt 2's workers say whether TensorFlow was
-# imported before their script began.
+# Attempt 1 fails once worker 0 has spoken (a worker 1 failing sooner stops
+# worker 0 before its line: CI saw that race); attempt 2's workers say whether
+# TensorFlow was imported before their script began.
 RESTARTED = """
-import os, sys
+import os, sys, time
 attempt = int(os.environ["TF_AGN_RESTART_COUNT"]) + 1
+slot = os.environ["TF_AGN_WORKER_SLOT"]
+spoken = os.path.join(sys.argv[1], "worker-0-spoke")
 print(f"attempt {attempt}: warm {'tensorflow' in sys.modules}", flush=True)
-sys.exit(7 if attempt == 1 and os.environ["TF_AGN_WORKER_SLOT"] == "1" else 0)
+if attempt == 1 and slot == "0":
+    open(spoken, "w").close()
+if attempt == 1 and slot == "1":
+    deadline = time.monotonic() + 120
+    while not os.path.exists(spoken) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sys.exit(7)
 """
 
 
@@ -86,7 +95,8 @@ def test_launch_restarts_workers_on_warm_standbys(tmp_path):
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED)
     code, output = launch(
-        ["--multi_worker", "2", "--max_restarts", "1"], [sys.executable, str(script)],
+        ["--multi_worker", "2", "--max_restarts", "1"],
+        [sys.executable, str(script), str(tmp_path)],
         cluster_env(),
     )
     assert code == 0, output
