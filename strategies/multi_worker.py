@@ -4,6 +4,7 @@ synchronous training across worker processes, in which Keras 3's
 COMMAND` runs N such workers on this machine.
 """
 
+import functools
 import signal
 import threading
 
@@ -14,6 +15,7 @@ from tf_agn.collectives import agreement
 from tf_agn.collectives.cross_device_ops import AggregatingAllReduce
 from tf_agn.strategies import heartbeat
 from tf_agn.strategies import rendezvous
+from tf_agn.strategies import membership
 from tf_agn.strategies import tf_config
 
 
@@ -77,6 +79,7 @@ def multi_worker_mirrored(
     cluster_resolver=None,
     communication_options=None,
     connect_timeout_seconds=rendezvous.DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    min_workers=None,
     **ops_kwargs,
 ):
     """Returns a `MultiWorkerMirroredStrategy` that reduces with
@@ -100,6 +103,14 @@ def multi_worker_mirrored(
             turns a lost worker into an error instead of a hang).
         connect_timeout_seconds: how long to wait for the other workers at
             creation, and for their settings check; default 600.
+        min_workers: the fewest workers the job goes on with. Workers that
+            have not come within `connect_timeout_seconds` are left out,
+            and the others train as a smaller cluster, renumbered in
+            order (this process's `TF_CONFIG` is rewritten to it); a
+            worker left out rejoins when the job next restarts. Default:
+            the `TF_AGN_MIN_WORKERS` environment variable, else every
+            worker. Needs `TF_CONFIG`'s cluster of "worker" tasks; every
+            worker must pass the same value.
         **ops_kwargs: further `AggregatingAllReduce` arguments
             (`bytes_per_pack`, `compression`, `timeout_seconds`, ...). The
             transport is always "collective".
@@ -109,12 +120,14 @@ def multi_worker_mirrored(
 
     Raises:
         ValueError: for an unknown aggregation or a bad ops argument, a
-            `TF_CONFIG` that is not valid JSON, a task that is not one of
+            `min_workers` that is not between 1 and the cluster's workers,
+            a `TF_CONFIG` that is not valid JSON, a task that is not one of
             the cluster's workers (or its chief), or if the workers'
             settings disagree (naming the field and each worker's value).
             All but the last are raised before anything connects.
         TimeoutError: naming the workers that did not answer within
-            `connect_timeout_seconds`.
+            `connect_timeout_seconds` (fewer than `min_workers` with it),
+            or, with `min_workers`, if the job runs without this worker.
         RuntimeError: if the workers have different numbers of devices.
 
     Example, run on host0 with `TF_CONFIG` `{"cluster": {"worker":
@@ -144,6 +157,7 @@ def multi_worker_mirrored(
     else:
         source = "cluster_resolver"
     num_workers, worker_index = _worker_count_and_index(cluster_resolver, source)
+    min_workers = membership.min_workers(min_workers, cluster_resolver, source, num_workers)
     # Each pack is one collective all-reduce over all replicas of all
     # workers (NCCL between GPUs, a ring between CPUs and machines).
     ops_kwargs["transport"] = "collective"
@@ -155,15 +169,17 @@ def multi_worker_mirrored(
     # `timeout_seconds` (default None; its cost:
     # `tf_agn.transports.DEFAULT_TIMEOUT_SECONDS`) also turns collectives
     # called in another order into an error.
-    ops = AggregatingAllReduce(
-        aggregation=aggregation,
-        num_workers=num_workers,
-        worker_index=worker_index,
-        **ops_kwargs,
-    )
+    make_ops = functools.partial(AggregatingAllReduce, aggregation=aggregation, **ops_kwargs)
+    ops = make_ops(num_workers=num_workers, worker_index=worker_index)
     # TensorFlow connects the workers in the strategy's constructor, where
     # waiting is neither bounded nor interruptible: meet the peers first.
-    rendezvous.wait_for_peers(cluster_resolver, connect_timeout_seconds)
+    if min_workers < num_workers:
+        # The workers that came may be fewer, and this one renumbered.
+        cluster_resolver = membership.meet_in_tf_config(min_workers, connect_timeout_seconds)
+        num_workers, worker_index = _worker_count_and_index(cluster_resolver, source)
+        ops = make_ops(num_workers=num_workers, worker_index=worker_index)
+    else:
+        rendezvous.wait_for_peers(cluster_resolver, connect_timeout_seconds)
     # TensorFlow catches SIGTERM while it connects (for its own preemption
     # notices); Python's handler is put back, so that a supervisor's SIGTERM
     # still stops the worker.

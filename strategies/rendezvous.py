@@ -62,7 +62,7 @@ def wait_for_peers(cluster_resolver, timeout_seconds):
     # see us before our TensorFlow server (which takes the port over
     # afterwards) exists; a peer answers through its socket or its
     # TensorFlow server. The socket is closed before TensorFlow binds.
-    with _listening(own_address):
+    with listening(own_address):
         missing = ports.unreachable([address for _, address in peers], timeout_seconds)
     if missing:
         names = ", ".join(f"{name} ({address})" for name, address in peers if address in missing)
@@ -75,11 +75,16 @@ def wait_for_peers(cluster_resolver, timeout_seconds):
 
 
 @contextlib.contextmanager
-def _listening(address):
+def listening(address):
     """Listens on `address`'s port while active, unless something (this
-    process's TensorFlow server, from an earlier strategy) already does."""
+    process's TensorFlow server, from an earlier strategy) already does.
+
+    Yields:
+        The listening socket, or None if the port was taken (or `address`
+        is None).
+    """
     if address is None:
-        yield
+        yield None
         return
     _, port = ports.host_and_port(address)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -87,13 +92,14 @@ def _listening(address):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             # All interfaces, as TensorFlow's server will: peers on other
-            # machines connect to it. The socket accepts nothing; the
-            # kernel completes peers' connections in its backlog.
+            # machines connect to it. Unless its user accepts, the kernel
+            # completes peers' connections in its backlog.
             sock.bind(("", port))
             sock.listen(64)
         except OSError:
-            pass
-        yield
+            yield None
+            return
+        yield sock
     finally:
         sock.close()
         # Peers' connections to the closed socket are reset; give the port

@@ -9,13 +9,17 @@ into 4 devices): each worker keeps one CPU, one replica.
 Usage: python restart_worker.py WORKDIR [--kill_worker I --kill_epoch E
     --kill_batch B [--kill_signal SIGKILL|SIGTERM|SIGSTOP]] [--epochs N]
     [--optimizer NAME[,NAME...]] [--rows R --global_batch G]
-    [--save_freq N|epoch]
+    [--save_freq N|epoch] [--connect_timeout S] [--linger_until PATH]
 
 With --optimizer it trains with restart_model.OPTIMIZERS[NAME] instead of
 AGN; with several names, one after the other, each with its own backup
 (WORKDIR/backup-NAME) and results (result-NAME-<task>.npz), a finished one
 skipped when the job restarts. With --rows and --global_batch, on the
 first R rows in batches of G. Backups every --save_freq steps (default 2).
+--connect_timeout is multi_worker_mirrored's (with TF_AGN_MIN_WORKERS, how
+long the workers wait for a missing one before going on without it). With
+--linger_until PATH, a worker done training waits for PATH before it exits,
+its TensorFlow server up.
 
 Worker I sends itself --kill_signal (SIGKILL by default) just before batch
 B of epoch E of each optimizer's fit, unless WORKDIR/killed-NAME exists; it
@@ -49,10 +53,6 @@ import keras  # noqa: E402
 import tf_agn  # noqa: E402
 import restart_model  # noqa: E402
 from worker_cluster import wait_for_files  # noqa: E402
-
-# The strategy must exist before any other TensorFlow op runs.
-STRATEGY = tf_agn.strategies.multi_worker_mirrored()
-
 
 def task_name():
     task = json.loads(os.environ["TF_CONFIG"])["task"]
@@ -138,7 +138,11 @@ def main():
     parser.add_argument("--rows", type=int, default=restart_model.ROWS)
     parser.add_argument("--global_batch", type=int, default=restart_model.GLOBAL_BATCH)
     parser.add_argument("--save_freq", type=lambda v: v if v == "epoch" else int(v), default=2)
+    parser.add_argument("--connect_timeout", type=float, default=600)
+    parser.add_argument("--linger_until")
     args = parser.parse_args()
+    # Before any other TensorFlow op runs.
+    strategy = tf_agn.strategies.multi_worker_mirrored(connect_timeout_seconds=args.connect_timeout)
     names = args.optimizer.split(",")
     name = task_name()
     x, y = (column[: args.rows] for column in restart_model.data())
@@ -149,7 +153,7 @@ def main():
             continue  # trained before the job restarted
         backup_dir = os.path.join(args.workdir, "backup" + suffix)
         record_writes(backup_dir, os.path.join(args.workdir, f"writes-{name}.jsonl"))
-        model = restart_model.build_model(STRATEGY, restart_model.OPTIMIZERS[optimizer])
+        model = restart_model.build_model(strategy, restart_model.OPTIMIZERS[optimizer])
         callbacks = [
             tf_agn.callbacks.BackupAndRestore(
                 backup_dir, save_freq=args.save_freq, delete_checkpoint=False
@@ -173,6 +177,8 @@ def main():
     wait_for_files([
         os.path.join(args.workdir, f"result{suffix}-worker-{i}.npz") for i in range(workers)
     ])
+    if args.linger_until:
+        wait_for_files([args.linger_until], timeout=240)
 
 
 if __name__ == "__main__":

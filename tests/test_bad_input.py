@@ -193,6 +193,35 @@ def test_strategy_from_flags_refuses_a_bad_tf_config(monkeypatch, text, parts):
         tf_agn.strategies.strategy_from_flags(flag_values)
 
 
+@pytest.mark.parametrize(
+    "min_workers, variable, parts",
+    [
+        (0, None, ["min_workers must be an integer between 1 and the cluster's 2 workers; received 0."]),
+        (3, None, ["min_workers must be an integer between 1", "received 3."]),
+        (1.5, None, ["min_workers must be an integer between 1", "received 1.5."]),
+        (None, "two", ["TF_AGN_MIN_WORKERS must be an integer between 1", "received 'two'."]),
+        (None, "5", ["TF_AGN_MIN_WORKERS must be an integer between 1", "received 5."]),
+    ],
+)
+def test_multi_worker_mirrored_refuses_a_bad_min_workers(monkeypatch, min_workers, variable, parts):
+    monkeypatch.setenv("TF_CONFIG", TWO_WORKERS + '"task": {"type": "worker", "index": 0}}')
+    if variable is not None:
+        monkeypatch.setenv("TF_AGN_MIN_WORKERS", variable)
+    with raises(ValueError, *parts):
+        tf_agn.strategies.multi_worker_mirrored(min_workers=min_workers)
+
+
+def test_min_workers_needs_tf_configs_cluster_of_workers(monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        '{"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"]}, '
+        '"task": {"type": "worker", "index": 0}}',
+    )
+    with raises(ValueError, "min_workers=1 needs TF_CONFIG's cluster, a list of \"worker\" tasks only",
+                "received the TF_CONFIG's jobs"):
+        tf_agn.strategies.multi_worker_mirrored(min_workers=1)
+
+
 def test_a_long_tf_config_is_quoted_cut(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "{" + "x" * 1000)
     with pytest.raises(ValueError, match=r"received '\{x{199}' \(cut from 1001 characters\)\.$"):

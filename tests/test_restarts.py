@@ -33,6 +33,9 @@ from tf_agn.optimizers import saving
 from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_and_restore import POINTER
 from tf_agn.strategies import launch as launcher
+from tf_agn.strategies import membership
+from tf_agn.strategies import ports
+from worker_cluster import worker_env
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
 # The kill in restart_worker.py: before batch 3 of epoch 2 (0-based), so
@@ -703,25 +706,25 @@ def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path
     _assert_states_equal(_results(tmp_path), restart_model.training_state(reference), atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adam", "adam_sharded"])
-def test_a_job_of_3_workers_resumes_as_a_job_of_2(tmp_path, optimizer):
-    """A 3-worker job dies (worker 1 is SIGKILLed, no restarts); a new job
-    of 2 workers on the same backup directory ends where an uninterrupted
-    run does (MEAN, the same global batch of 12)."""
-    rows, batch = 60, 12  # 5 steps an epoch; backups every 2
-    args = [sys.executable, WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
+def _killed_job_of_3(tmp_path, optimizer, rows, batch):
+    """A 3-worker job that dies (worker 1 is SIGKILLed, no restarts),
+    leaving a backup of 3 replicas; returns its workers' arguments."""
+    args = [WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
             f"--rows={rows}", f"--global_batch={batch}"]
     code, output = launch(
         ["--multi_worker", "3"],
-        args + ["--kill_worker", "1", f"--kill_epoch={KILL_EPOCH}", f"--kill_batch={KILL_BATCH}"],
+        [sys.executable, *args, "--kill_worker", "1", f"--kill_epoch={KILL_EPOCH}",
+         f"--kill_batch={KILL_BATCH}"],
         cluster_env(),
     )
     assert code != 0 and "sending myself SIGKILL" in output, output
     assert _pointer(tmp_path / "backup")["num_replicas_in_sync"] == 3
-    code, output = launch(["--multi_worker", "2"], args, cluster_env())
-    assert code == 0, output
+    return args
 
+
+def _assert_ends_as_uninterrupted_on_2(tmp_path, optimizer, rows, batch):
+    """Both workers of the 2-worker job end where an uninterrupted run of 2
+    replicas does (MEAN, the same global batch)."""
     reference = restart_model.build_model(
         tf_agn.strategies.mirrored(DEVICES[:2]), restart_model.OPTIMIZERS[optimizer]
     )
@@ -733,3 +736,65 @@ def test_a_job_of_3_workers_resumes_as_a_job_of_2(tmp_path, optimizer):
             got = [npz[str(i)] for i in range(len(reference.weights))]
         for g, w in zip(got, reference.get_weights(), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "adam_sharded"])
+def test_a_job_of_3_workers_resumes_as_a_job_of_2(tmp_path, optimizer):
+    """A new job of 2 workers on the same backup directory ends where an
+    uninterrupted run does."""
+    rows, batch = 60, 12  # 5 steps an epoch; backups every 2
+    args = _killed_job_of_3(tmp_path, optimizer, rows, batch)
+    code, output = launch(["--multi_worker", "2"], [sys.executable, *args], cluster_env())
+    assert code == 0, output
+    _assert_ends_as_uninterrupted_on_2(tmp_path, optimizer, rows, batch)
+
+
+@pytest.mark.slow
+def test_a_machine_that_never_returns_is_left_out_and_rejoins_at_the_next_restart(tmp_path):
+    """Supervisors on several machines restart the workers of a dead 3-worker
+    job with TF_CONFIG's cluster of 3 and TF_AGN_MIN_WORKERS=2; worker 1's
+    machine never returns. Workers 0 and 2 wait for it, go on as a job of 2
+    and end where an uninterrupted run does; worker 1, back while they
+    train, is told that the job runs without it."""
+    rows, batch = 60, 12
+    args = _killed_job_of_3(tmp_path, "adam", rows, batch)
+    cluster = {"worker": [f"localhost:{port}" for port in ports.free_ports(3)]}
+    logs = {index: tmp_path / f"restarted-{index}.log" for index in range(3)}
+    workers = {}
+
+    # Workers 0 and 2 keep their TensorFlow servers up until worker 1 is done.
+    worker_1_done = tmp_path / "worker-1-done"
+
+    def start(index, connect_timeout):
+        with open(logs[index], "wb") as log:
+            workers[index] = subprocess.Popen(
+                [sys.executable, *args, f"--connect_timeout={connect_timeout}",
+                 f"--linger_until={worker_1_done}"],
+                env={**worker_env(cluster, index), membership.MIN_WORKERS_VARIABLE: "2"},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    try:
+        start(0, 8)
+        start(2, 8)
+        # Worker 1 is back once the others train as a job of 2.
+        deadline = time.monotonic() + 240
+        while "trains as worker" not in logs[2].read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        start(1, 5)
+        code_1 = workers[1].wait(timeout=240)
+        worker_1_done.touch()
+        codes = {index: worker.wait(timeout=240) for index, worker in workers.items()}
+        assert codes[1] == code_1
+    finally:
+        for worker in workers.values():
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    output = {index: log.read_text(errors="replace") for index, log in logs.items()}
+    assert codes == {0: 0, 2: 0, 1: codes[1]} and codes[1] != 0, output
+    assert "tf_agn: worker 0 trains as worker 0 of 2 (min_workers=2); left out: worker 1" in output[0]
+    assert "tf_agn: worker 2 trains as worker 1 of 2" in output[2], output[2]
+    assert "Worker 1: the job runs without it" in output[1], output[1]
+    _assert_ends_as_uninterrupted_on_2(tmp_path, "adam", rows, batch)
