@@ -2,18 +2,21 @@ r"""What keeping the last steps for a rescue costs a 2-worker job's step.
 
 Two localhost worker processes (`python -m tf_agn.strategies.launch
 --multi_worker 2`, one core each) train the preemption benchmark's MLP
-(784-4096-4096-1024-10, 24.2M parameters) with Adam, plain or with
-sharded state, under `tf_agn.callbacks.BackupAndRestore` with backups once
-an epoch (none in the timed steps). With `keep_last_steps=True` every step
-ends with a host copy of the worker's training state, and with sharded
-state an all-gather of every worker's part (`tf_agn.resuming.rescue`); the
-baseline is the same job with `keep_last_steps=False`, run just before.
+(784-4096-4096-1024-10, 24.2M parameters) with Adam: plain, with sharded
+state, accumulating 2 gradients a step, or with int8 compression (error
+feedback residuals), under `tf_agn.callbacks.BackupAndRestore` with
+backups once an epoch (none in the timed steps). With
+`keep_last_steps=True` every step ends with a host copy of the worker's
+training state and, for the state each replica holds of its own (its part
+of sharded state, its accumulators, its residuals), an all-gather of every
+worker's copy (`tf_agn.resuming.rescue`); the baseline is the same job with
+`keep_last_steps=False`, run just before.
 
 It reports, per optimizer, the median step time of each (from one step's
 end to the next's, after the warm-up), their ratio, and what a snapshot
 holds and a step gathers.
 
-Usage (about 3 minutes on 2 CPU cores):
+Usage (about 6 minutes on 2 CPU cores):
 
     python benchmarks/rescue_cost.py
 """
@@ -35,7 +38,13 @@ flags.DEFINE_list("units", ["4096", "4096", "1024"], "The MLP's hidden layers' w
 flags.DEFINE_integer("batch_size", 256, "The global batch.")
 flags.DEFINE_integer("steps", 12, "Steps timed, after the warm-up.")
 flags.DEFINE_integer("warmup", 3, "Steps not timed (tracing, first snapshots).")
-flags.DEFINE_list("optimizers", ["adam", "adam_sharded"], "Which Adams to measure.")
+OPTIMIZERS = {
+    "adam": {},
+    "adam_sharded": {"shard_optimizer_state": True},
+    "accumulation": {"gradient_accumulation_steps": 2},
+    "int8": {"compression": "int8"},
+}
+flags.DEFINE_list("optimizers", list(OPTIMIZERS), "Which Adams to measure.")
 flags.DEFINE_string("workdir", None, "Where a worker runs (set by this script).")
 flags.DEFINE_boolean("keep_last_steps", True, "For a worker (set by this script).")
 flags.DEFINE_string("optimizer", "adam", "For a worker (set by this script).")
@@ -47,14 +56,12 @@ def worker_main():
     import numpy as np
 
     import tf_agn
-    from tf_agn.resuming import resizing
+    from tf_agn.resuming import rescue
 
     strategy = tf_agn.strategies.multi_worker_mirrored()
     model, dataset = launched.mlp_job(
         strategy, FLAGS.units, FLAGS.batch_size,
-        lambda: tf_agn.optimizers.Adam(
-            1e-4, shard_optimizer_state=FLAGS.optimizer == "adam_sharded"
-        ),
+        lambda: tf_agn.optimizers.Adam(1e-4, **OPTIMIZERS[FLAGS.optimizer]),
     )
     ends = []
 
@@ -68,14 +75,13 @@ def worker_main():
     model.fit(dataset, steps_per_epoch=FLAGS.warmup + FLAGS.steps, epochs=1, verbose=0,
               callbacks=[backup, Times()])
     variables = model.variables + model.optimizer.variables
-    sharded = sum(int(np.prod(variables[p].shape)) * 4
-                  for p in resizing.sharded_positions(model))
+    own = sum(int(np.prod(variables[p].shape)) * 4 for p in rescue.peer_positions(model))
     state = sum(int(np.prod(v.shape)) * 4 for v in variables)
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
         with open(os.path.join(FLAGS.workdir, "result.json"), "w") as f:
             json.dump({"step_ms": 1e3 * float(np.median(np.diff(ends[FLAGS.warmup - 1:]))),
                        "parameters": int(model.count_params()),
-                       "state_bytes": state, "sharded_bytes": sharded}, f)
+                       "state_bytes": state, "own_bytes": own}, f)
 
 
 def measure(optimizer, keep_last_steps):
@@ -112,13 +118,14 @@ def main(argv):
           "| a snapshot holds (MB) | a step gathers per worker (MB) |")
     print("|---|---:|---:|---:|---:|---:|")
     for optimizer, base, kept in rows:
-        # `sharded_bytes` is one worker's part: a snapshot holds the
-        # worker's state and every part, gathered (2 of them), of which it
-        # received the other worker's. Two snapshots are kept.
-        holds = kept["state_bytes"] + 2 * kept["sharded_bytes"]
+        # `own_bytes` is one replica's own state: a snapshot holds the
+        # worker's state and every replica's copy of its own, gathered (2
+        # of them), of which it received the other worker's. Two snapshots
+        # are kept.
+        holds = kept["state_bytes"] + 2 * kept["own_bytes"]
         print(f"| {optimizer} | {base['step_ms']:.0f} | {kept['step_ms']:.0f} | "
               f"{kept['step_ms'] / base['step_ms']:.2f} | {holds / 1e6:.0f} | "
-              f"{kept['sharded_bytes'] / 1e6:.0f} |")
+              f"{kept['own_bytes'] / 1e6:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """tf_agn/resuming/rescue.py in one process: which rescue a restarted job
-resumes from, and a lost task's part of sharded state cut from a
-survivor's gathered copies (4 replicas here, read as 2 tasks of 2).
+resumes from, and a lost task's own state (its part of sharded state, its
+accumulators, its residuals) cut from a survivor's gathered copies (4
+replicas here, read as 2 tasks of 2).
 
 Real lost workers, killed mid-step, are in tests/test_restarts.py."""
 
@@ -10,7 +11,6 @@ import pytest
 import restart_model
 import tf_agn
 from tf_agn.resuming import rescue
-from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_files import BackupFiles
 from tf_agn.resuming.backup_files import Task
 from tf_agn.resuming.replica_state import local_copies
@@ -69,7 +69,7 @@ def test_with_state_of_their_own_every_task_resumes_from_its_own_step(tmp_path, 
     _steps(tmp_path)
     _rescue(tmp_path, "worker-2", 1, 5, 30.0)
     _rescue(tmp_path, "worker-2", 1, 6, 30.0)
-    found = rescue.find(_files(tmp_path), None, _built("accumulation"), say=True)
+    found = rescue.find(_files(tmp_path), None, _built("agn"), say=True)
     assert (found.pointer["epoch"], found.pointer["step"]) == (1, 5)
     assert [found.read(f"worker-{i}")["state/0/0"] for i in range(3)] == [[50.0], [100.0], [30.0]]
     assert "(worker-1 a step behind)" not in capsys.readouterr().out
@@ -89,32 +89,52 @@ def test_no_rescue_without_one_newer_than_the_backup(tmp_path, plain_model):
     assert files.rescues() == {}
 
 
+@pytest.mark.parametrize("optimizer, own", [
+    ("adam", []),
+    ("adam_sharded", ["its part of the sharded optimizer state"]),
+    ("accumulation", ["its gradient accumulators"]),
+    ("int8", ["its compressor state (error feedback residuals)"]),
+    ("agn", ["its local steps in AGN's window"]),
+])
+def test_what_a_lost_worker_takes_with_it_without_and_with_peer_copies(optimizer, own):
+    model = _built(optimizer)
+    assert rescue.own_state(model) == own
+    window = ["its local steps in AGN's window"] if optimizer == "agn" else []
+    assert rescue.own_state(model, peer_copies=True) == window
+
+
 def test_state_only_a_lost_worker_held_makes_the_job_fall_back(tmp_path, capsys):
-    model = _built("accumulation")
-    assert rescue.own_state(model) == ["its gradient accumulators"]
+    model = _built("agn")
     for task in ("worker-0", "worker-1"):
         _rescue(tmp_path, task, 0, 2, 1.0)
     assert rescue.find(_files(tmp_path), None, model, say=True) is None
-    assert ("worker-2 lost its gradient accumulators; the survivors' rescue at epoch 0, "
-            "step 2 cannot be used: resuming from the last backup.") in capsys.readouterr().out
+    assert ("worker-2 lost its local steps in AGN's window; the survivors' rescue at epoch "
+            "0, step 2 cannot be used: resuming from the last backup.") in capsys.readouterr().out
     # With every task's rescue, nothing was lost.
     _rescue(tmp_path, "worker-2", 0, 2, 1.0)
     assert rescue.find(_files(tmp_path), None, model, say=False) is not None
 
 
-def test_a_lost_tasks_sharded_parts_are_cut_from_a_survivors_peer_copies():
+@pytest.mark.parametrize("optimizer, own_variables", [
+    ("adam_sharded", 8),  # the moments of 2 kernels and 2 biases
+    ("accumulation", 4),  # an accumulator each
+    ("int8", 4),  # a residual each
+])
+def test_a_lost_tasks_own_state_is_cut_from_a_survivors_peer_copies(optimizer, own_variables):
     strategy = tf_agn.strategies.mirrored()
-    model = restart_model.build_model(strategy, restart_model.OPTIMIZERS["adam_sharded"])
+    model = restart_model.build_model(strategy, restart_model.OPTIMIZERS[optimizer])
     x, y = restart_model.data()
-    model.fit(x, y, batch_size=restart_model.GLOBAL_BATCH, epochs=1, verbose=0)
+    # 5 steps: 3 accumulated gradients applied, 2 still held.
+    model.fit(x[:5 * restart_model.GLOBAL_BATCH], y[:5 * restart_model.GLOBAL_BATCH],
+              batch_size=restart_model.GLOBAL_BATCH, epochs=1, verbose=0)
     variables = list(model.variables) + list(model.optimizer.variables)
-    positions = resizing.sharded_positions(model)
-    assert len(positions) >= 4  # the moments of 2 kernels and 2 biases
-    gathered = rescue.gather_parts(strategy, [variables[p] for p in positions])
-    assert list(gathered) == ["peer/float32"]
+    positions = rescue.peer_positions(model)
+    assert len(positions) == own_variables
+    gathered = rescue.gather_parts(strategy, variables, positions)
+    assert sorted(gathered) == ["peer/float32", "peer/positions"]
     survivor = dict(local_copies(strategy, variables, "state"), **gathered)
     # Read as 2 tasks of 2 replicas: the second task's replicas are 2 and 3.
-    cut = rescue._lost_parts(survivor, positions, range(2, 4))
+    cut = rescue._lost_parts(survivor, survivor["peer/positions"], range(2, 4))
     assert sorted(cut) == sorted(f"state/{p}/{r}" for p in positions for r in range(2))
     for p in positions:
         copies = tf_agn.replica_weights([variables[p]])

@@ -78,9 +78,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             every worker after the same step.
         keep_last_steps: whether each worker of a multi-worker job keeps
             its last two completed steps in host memory (twice its training
-            state, sharded state whole), for its rescue when a peer is
-            lost; with sharded optimizer state, every step then gathers
-            every worker's part (`tf_agn.resuming.rescue`).
+            state, and every replica's copy of what each holds of its
+            own), for its rescue when a peer is lost; with sharded
+            optimizer state, gradient accumulation or compressor state,
+            every step then gathers every replica's copy of it
+            (`tf_agn.resuming.rescue`).
 
     Raises:
         ValueError: for a bad `backup_dir`, `save_freq` or
@@ -212,7 +214,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         arrays = self._arrays()
         if self._snapshots is not None:
             pointer = self._pointer(self._next_checkpoint - 1, epoch, step)
-            self._snapshots.take(pointer, dict(arrays, **self._peer_copies(pointer["shards"])))
+            self._snapshots.take(pointer, dict(arrays, **self._peer_copies()))
         if saving:
             self._steps_since_save = 0
             self._save(epoch, step, arrays)
@@ -262,14 +264,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         arrays.update(local_copies(strategy, self.model.metrics_variables, "metrics"))
         return arrays
 
-    def _peer_copies(self, positions):
-        """Every replica's part of the sharded state at `positions`."""
+    def _peer_copies(self):
+        """Every replica's copy of the state each holds of its own."""
+        positions = rescue_lib.peer_positions(self.model)
         if not positions:
             return {}
-        variables = self._state_variables()
         try:
             return rescue_lib.gather_parts(
-                self.model.distribute_strategy, [variables[p] for p in positions]
+                self.model.distribute_strategy, self._state_variables(), positions
             )
         except tf.errors.OpError:  # a peer was lost
             self._write_rescue()

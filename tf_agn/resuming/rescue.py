@@ -19,15 +19,18 @@ A lost worker's own state goes with it. Its copy of what every replica
 holds alike (synchronous weights, the optimizer's state) is any
 survivor's. Its BatchNorm statistics are a survivor's, as Keras's own
 `save` keeps replica 0's, and so are its metrics' totals, which only the
-interrupted epoch's logs read. Its part of sharded optimizer state is cut
-from the survivors' peer copies: with each snapshot, every worker gathers
-every replica's part (`gather_parts`), so a step costs, on top of its own
-exchange, (n - 1)/n of the sharded state received per worker (8Ψ(n - 1)/n
-bytes for Adam's moments of Ψ float32 parameters), and each snapshot holds
-the whole state. State that only the lost worker held and nobody copies (a
-window's local steps, gradient accumulators, error feedback residuals) no
-survivor has: then the rescue is not used and the job resumes from the last
-backup, saying why.
+interrupted epoch's logs read. What each replica holds of its own (`peer_
+positions`: its part of sharded optimizer state, its gradient accumulators,
+its compressor state such as error feedback residuals) is cut from the
+survivors' peer copies: with each snapshot, every worker gathers every
+replica's copy (`gather_parts`). A step then costs, on top of its own
+exchange, every other replica's copy received per worker: (n - 1)/n of the
+sharded state (8Ψ(n - 1)/n bytes for Adam's moments of Ψ float32
+parameters), n - 1 times the accumulators and residuals (4Ψ(n - 1) bytes
+each, more than the step's own all-reduce), and each snapshot holds them
+all. A window's local steps (AGN, Streaming DiLoCo) no survivor has: then
+the rescue is not used and the job resumes from the last backup, saying
+why.
 """
 
 import collections
@@ -38,12 +41,14 @@ import tensorflow as tf
 
 from tf_agn.optimizers import saving
 from tf_agn.optimizers.windowed import WindowedOptimizer
+from tf_agn.resuming import resizing
 from tf_agn.resuming.backup_files import BackupFiles
 from tf_agn.resuming.replica_state import tf_variable
 
-# The prefix of a snapshot's gathered parts of sharded state, one flat array
-# per dtype (`gather_parts`).
+# The prefix of a snapshot's peer copies (`gather_parts`): one flat array
+# per dtype, and the positions they copy.
 _PEER = "peer/"
+_PEER_POSITIONS = _PEER + "positions"
 
 
 class Snapshot(typing.NamedTuple):
@@ -81,17 +86,39 @@ class Rescue(typing.NamedTuple):
     read: typing.Callable[[str], dict]
 
 
-def gather_parts(strategy, variables) -> dict:
-    """Every replica's part of the sharded state `variables`, gathered from
-    every worker: {"peer/<dtype>": one flat array, replica after replica
-    (in the order of `strategy.gather`), each replica's parts in
-    `variables`' order}.
+def peer_positions(model) -> list[int]:
+    """The positions, among a backup's state variables (the model's, then
+    its optimizer's), of the state each replica holds of its own: its part
+    of sharded optimizer state, its gradient accumulators and its
+    compressor state."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        return []
+    own = set()
+    for aggregating in saving.aggregating_within(optimizer):
+        own.update(id(v) for v in aggregating.summed_variables())
+        compressor_state = aggregating.compressor_state()
+        if compressor_state is not None:
+            own.update(id(v) for state in compressor_state[1] for v in state.values())
+    first = len(model.variables)
+    return sorted(set(resizing.sharded_positions(model)) | {
+        first + index for index, v in enumerate(optimizer.variables) if id(v) in own
+    })
+
+
+def gather_parts(strategy, state_variables, positions) -> dict:
+    """Every replica's copy of the state at `positions` of
+    `state_variables`, gathered from every worker: {"peer/<dtype>": one
+    flat array, replica after replica (in the order of `strategy.gather`),
+    each replica's copies in `positions`' order; "peer/positions":
+    `positions`}.
 
     Raises:
         tf.errors.OpError: if a peer is lost meanwhile.
     """
     local = len(strategy.extended.worker_devices)
-    gathered = {}
+    variables = [state_variables[p] for p in positions]
+    gathered = {_PEER_POSITIONS: np.array(positions, np.int64)}
     for dtype in sorted({tf.as_dtype(v.dtype).name for v in variables}):
         group = [v for v in variables if tf.as_dtype(v.dtype).name == dtype]
 
@@ -113,6 +140,7 @@ def _lost_parts(survivor, positions, replicas):
     from a survivor's arrays and their `gather_parts`."""
     cut = {}
     by_dtype = collections.defaultdict(list)
+    positions = [int(p) for p in positions]
     for position in positions:
         by_dtype[tf.as_dtype(survivor[f"state/{position}/0"].dtype).name].append(position)
     for dtype, group in by_dtype.items():
@@ -131,15 +159,17 @@ def _lost_parts(survivor, positions, replicas):
 def own_state(model, peer_copies=False) -> list[str]:
     """What each replica of `model` holds of its own that a lost worker's
     survivors cannot give back, in words (empty if nothing); with
-    `peer_copies`, sharded state is not among it."""
+    `peer_copies`, only a window's local steps."""
     optimizer = model.optimizer
     if optimizer is None:
         return []
     found = []
     if isinstance(optimizer, WindowedOptimizer):
         found.append(f"its local steps in {type(optimizer).__name__}'s window")
+    if peer_copies:
+        return found
     for aggregating in saving.aggregating_within(optimizer):
-        if aggregating.shards and not peer_copies:
+        if aggregating.shards:
             found.append("its part of the sharded optimizer state")
         if aggregating.summed_variables():
             found.append("its gradient accumulators")
@@ -208,6 +238,6 @@ def find(files: BackupFiles, after: dict | None, model, say: bool) -> Rescue | N
             return read[task][1]
         first = pointer["tasks"].index(task) * per_task
         replicas = range(first, first + per_task)
-        return dict(survivor, **_lost_parts(survivor, pointer["shards"], replicas))
+        return dict(survivor, **_lost_parts(survivor, survivor.get(_PEER_POSITIONS, []), replicas))
 
     return Rescue(pointer, arrays_of)
