@@ -4,6 +4,7 @@ subprocess share: the workers' environment, and finding the workers."""
 import json
 import os
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,7 +22,10 @@ def cluster_env():
 
 def launcher_workers(launcher_pid):
     """The launcher's worker processes now, from /proc: {pid: the worker
-    index its `TF_CONFIG` names}."""
+    index its `TF_CONFIG` names}. A worker started with its `TF_CONFIG`
+    has it in /proc/<pid>/environ; a warm standby that became a worker
+    names itself "tf_agn-w<index>" (strategies/standby.py); a standby still
+    waiting is neither."""
     found = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -29,12 +33,18 @@ def launcher_workers(launcher_pid):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if parent == launcher_pid and b"TF_CONFIG" in environ:
+        if b"TF_CONFIG" in environ:
             found[int(pid)] = json.loads(environ[b"TF_CONFIG"])["task"]["index"]
+        elif re.fullmatch(r"tf_agn-w\d+", name):
+            found[int(pid)] = int(name[len("tf_agn-w"):])
     return found
 
 
