@@ -4,7 +4,6 @@ subprocess share: the workers' environment, and finding the workers."""
 import json
 import os
 import pathlib
-import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,10 +21,10 @@ def cluster_env():
 
 def launcher_workers(launcher_pid):
     """The launcher's worker processes now, from /proc: {pid: the worker
-    index its `TF_CONFIG` names}. A worker started with its `TF_CONFIG`
-    has it in /proc/<pid>/environ; a warm standby that became a worker
-    names itself "tf_agn-w<index>" (strategies/standby.py); a standby still
-    waiting is neither."""
+    index its `TF_CONFIG` names, or None for a warm standby that became a
+    worker (strategies/standby.py: its /proc/<pid>/environ is the
+    standby's, its standard input /dev/null)}. A standby still starting or
+    waiting, its standard input the launcher's pipe, is left out."""
     found = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -35,16 +34,15 @@ def launcher_workers(launcher_pid):
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
             if parent != launcher_pid:
                 continue
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
+            stdin = os.readlink(f"/proc/{pid}/fd/0")
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         if b"TF_CONFIG" in environ:
             found[int(pid)] = json.loads(environ[b"TF_CONFIG"])["task"]["index"]
-        elif re.fullmatch(r"tf_agn-w\d+", name):
-            found[int(pid)] = int(name[len("tf_agn-w"):])
+        elif stdin == os.devnull:
+            found[int(pid)] = None
     return found
 
 

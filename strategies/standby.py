@@ -22,7 +22,6 @@ standby.process.wait()
 ```
 """
 
-import ctypes
 import json
 import os
 import runpy
@@ -101,9 +100,14 @@ def _serve() -> None:
     if not line:  # the launcher is gone, or needs no more workers
         return
     request = json.loads(line)
+    # The request's pipe, read to its end, is no input of the worker's:
+    # /dev/null is (and tells a waiting standby, reading fd 0, from one
+    # that became a worker, for tools that look at /proc).
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     os.environ.clear()
     os.environ.update(request["env"])
-    _name_process(request["env"])
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = argv[1:]
@@ -113,18 +117,6 @@ def _serve() -> None:
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
-
-
-def _name_process(env: dict) -> None:
-    """Names this process after the worker it becomes, "tf_agn-w<task
-    index>", as `ps`, `top` and /proc/<pid>/comm show it: its command line
-    and /proc/<pid>/environ stay the standby's."""
-    try:
-        index = json.loads(env.get("TF_CONFIG", "{}"))["task"]["index"]
-        # prctl(PR_SET_NAME): Linux only; elsewhere the name stays.
-        ctypes.CDLL(None, use_errno=True).prctl(15, f"tf_agn-w{int(index)}".encode(), 0, 0, 0)
-    except (KeyError, TypeError, ValueError, OSError, AttributeError):
-        pass
 
 
 if __name__ == "__main__":
