@@ -122,6 +122,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batch_skipper = None
         self._preemption = None
         self._snapshots = None  # with keep_last_steps on several workers
+        self._peer_positions = None  # rescue_lib.peer_positions, once a fit
         self._rescuer = None
 
     def get_config(self):
@@ -172,6 +173,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._retire_rescues(rescue)
         if self.keep_last_steps and len(self._task.all_names) > 1:
             self._snapshots = rescue_lib.StepSnapshots()
+            self._peer_positions = None  # found after the first step
             self._rescuer = _Rescuer(self.model, self._write_rescue)
         if self._restored is not None and self._restored["step"]:
             self._batch_skipper = _BatchSkipper(self.model, self._restored["step"])
@@ -266,7 +268,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _peer_copies(self):
         """Every replica's copy of the state each holds of its own."""
-        positions = rescue_lib.peer_positions(self.model)
+        # Once a fit, after its first step: by then the optimizer has made
+        # all its state (compressor state is made as the first step runs).
+        if self._peer_positions is None:
+            self._peer_positions = rescue_lib.peer_positions(self.model)
+        positions = self._peer_positions
         if not positions:
             return {}
         try:
