@@ -106,6 +106,8 @@ class LocalServers:
         for started in self._processes:
             started.log.close()
         _running.discard(self)
+        if not _running:
+            _default_on_sigterm()
 
     def _start_in_process(self, tasks):
         # TensorFlow cannot stop an in-process server (`TF_ServerStop`
@@ -224,15 +226,24 @@ def _stop_on_sigterm():
         return
     # The default action skips `atexit`; a handler the program installed
     # itself is left alone.
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_then_terminate)
 
-    def stop_then_terminate(signum, frame):
-        _stop_all()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, stop_then_terminate)
+def _default_on_sigterm():
+    """Puts SIGTERM's default action back once no server runs, so that the
+    handler outlives no cluster (a later `fit` sees the program's own)."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is _stop_then_terminate
+    ):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_then_terminate(signum, frame):
+    _stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 atexit.register(_stop_all)

@@ -195,7 +195,10 @@ def test_malformed_tf_config_is_named(monkeypatch, tf_config, problem):
 
 
 def test_stop_kills_every_server_and_frees_its_port(capsys):
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     with LocalCluster(num_workers=2, num_ps=1, mode="processes") as cluster:
+        # While servers run, SIGTERM stops them before the process ends.
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         pids = [pid for job_pids in cluster.pids.values() for pid in job_pids]
         STARTED_PIDS.extend(pids)
         addresses = [a for job in ("worker", "ps") for a in cluster.addresses[job]]
@@ -219,6 +222,9 @@ def test_stop_kills_every_server_and_frees_its_port(capsys):
             cluster.kill_worker(2)
         assert accepts(cluster.addresses["worker"][0])
     cluster.stop()  # Again: stopping is idempotent.
+    # No server runs: SIGTERM takes its default course again (a later fit's
+    # BackupAndRestore would otherwise put the cluster's handler back).
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     for pid in pids:
         assert not alive(pid)

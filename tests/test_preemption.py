@@ -66,6 +66,7 @@ def test_sigterm_backs_up_after_the_step_and_the_resumed_run_is_bitwise(tmp_path
     make = OPTIMIZERS[optimizer]
     reference = restart_model.build_model(_strategy(), make)
     _fit(reference)
+    before = signal.getsignal(signal.SIGTERM)
     backup_dir = str(tmp_path / "backup")
     preempted = restart_model.build_model(_strategy(), make)
     with pytest.raises(tf_agn.callbacks.Preempted) as raised:
@@ -75,8 +76,8 @@ def test_sigterm_backs_up_after_the_step_and_the_resumed_run_is_bitwise(tmp_path
     assert raised.value.step == NOTICE_STEP  # steps of this fit, which began at 0
     # The step in progress finished, and nothing after it ran.
     assert int(preempted.optimizer.iterations.numpy()) == _applied(optimizer, NOTICE_STEP)
-    # The handler is put back: SIGTERM is Python's default again.
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # The handler is put back: SIGTERM has its course from before fit again.
+    assert signal.getsignal(signal.SIGTERM) is before
 
     resumed = restart_model.build_model(_strategy(), make)
     starts = _RecordIterations()
@@ -105,12 +106,13 @@ def test_a_callable_or_a_file_is_a_notice(tmp_path, kind):
     else:
         notice, notify = str(marker), marker.touch
     model = restart_model.build_model(_strategy(), restart_model.OPTIMIZERS["adam"])
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(tf_agn.callbacks.Preempted):
         _fit(model, [tf_agn.callbacks.BackupAndRestore(tmp_path / "b", preemption_notice=notice),
                      Notify(notify)])
     assert int(model.optimizer.iterations.numpy()) == NOTICE_STEP
     # A notice of another kind leaves SIGTERM alone.
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_without_a_notice_fit_ends_and_a_late_signal_takes_its_old_course(tmp_path):
