@@ -68,6 +68,9 @@ flags.DEFINE_integer("batch_size", 192, "The global batch.")
 flags.DEFINE_integer("seed", 0, "Which workers the faults hit.")
 flags.DEFINE_string("workdir", None, "Worker mode: the job's directory (set by this script).")
 flags.DEFINE_bool("notices", True, "Worker mode: whether SIGTERM is a notice.")
+flags.DEFINE_string("logdir", None,
+                    "Keeps each job's launcher output and steps files there, to "
+                    "diagnose a step trained twice (default: deleted).")
 
 HANG_TIMEOUT_S = 10
 
@@ -156,7 +159,10 @@ def run_job(kind, recipe, rng):
             if kind != "none" and sent < FLAGS.faults and time.monotonic() >= next_fault:
                 workers = launched.launcher_workers(launcher.pid)
                 if workers:
-                    _deliver(kind, rng.choice(sorted(workers)))
+                    pid = rng.choice(sorted(workers))
+                    output.append(f"chaos: {kind} to pid {pid} (worker {workers[pid]}) at "
+                                  f"{time.monotonic() - start:.1f} s\n")
+                    _deliver(kind, pid)
                     sent += 1
                     next_fault += FLAGS.interval
             time.sleep(0.1)
@@ -173,6 +179,14 @@ def run_job(kind, recipe, rng):
     twice = _steps_trained_twice(workdir)
     with np.load(os.path.join(workdir, "weights.npz")) as npz:
         weights = [npz[k] for k in sorted(npz.files, key=lambda k: int(k.split("_")[1]))]
+    if FLAGS.logdir:
+        kept = os.path.join(FLAGS.logdir, os.path.basename(workdir))
+        os.makedirs(kept)
+        with open(os.path.join(kept, "launcher.log"), "w") as f:
+            f.write(text)
+        for name in os.listdir(workdir):
+            if name.startswith("steps-"):
+                os.rename(os.path.join(workdir, name), os.path.join(kept, name))
     subprocess.run(["rm", "-rf", workdir], check=False)
     return {
         "kind": kind, "recipe": recipe, "faults": sent, "wall": wall,
