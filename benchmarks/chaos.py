@@ -42,6 +42,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,18 +74,31 @@ flags.DEFINE_string("logdir", None,
                     "diagnose a step trained twice (default: deleted).")
 
 HANG_TIMEOUT_S = 10
+# What each worker reaches, in order (its phases file): the script's main
+# began (a standby's worker: when it took the place), the strategy made,
+# the model built, `fit` began past BackupAndRestore's restore, a first
+# step trained.
+PHASES = ("started", "connected", "built", "restored", "stepped")
 
 
 def worker_main():
-    """One worker: trains, logging every step's iteration to its file."""
+    """One worker: trains, logging every step's iteration to its steps
+    file and when it reached each of `PHASES` to its phases file."""
     import keras
     import numpy as np
 
     import tf_agn
 
-    strategy = tf_agn.strategies.multi_worker_mirrored()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     attempt = int(os.environ["TF_AGN_RESTART_COUNT"])
+    phases = open(os.path.join(FLAGS.workdir, f"phases-{index}-{attempt}.txt"), "a", buffering=1)
+
+    def reached(phase):
+        phases.write(f"{phase} {time.time():.3f}\n")
+
+    reached("started")
+    strategy = tf_agn.strategies.multi_worker_mirrored()
+    reached("connected")
     rng = np.random.default_rng(0)
     rows = FLAGS.batch_size * FLAGS.steps_per_epoch
     x = rng.normal(size=(rows, 784)).astype("float32")
@@ -94,11 +108,19 @@ def worker_main():
         model = tf_agn.models.mlp((784,), 10, hidden_units=[int(u) for u in FLAGS.units])
         model.compile(optimizer=tf_agn.optimizers.Adam(1e-4),
                       loss="sparse_categorical_crossentropy")
+    reached("built")
     steps = open(os.path.join(FLAGS.workdir, f"steps-{index}-{attempt}.txt"), "a", buffering=1)
+    # A batch a resumed fit skips reaches callbacks with empty logs: only
+    # a trained step is logged (logging the skipped ones counted the
+    # resumed step as trained twice at every mid-epoch restart).
+    def trained(batch, logs):
+        if logs:
+            if steps.tell() == 0:
+                reached("stepped")
+            steps.write(f"{int(model.optimizer.iterations.numpy())}\n")
+
     log = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: steps.write(
-            f"{int(model.optimizer.iterations.numpy())}\n"
-        )
+        on_train_begin=lambda logs: reached("restored"), on_train_batch_end=trained
     )
     backup = tf_agn.callbacks.BackupAndRestore(
         os.path.join(FLAGS.workdir, "backup"), save_freq=FLAGS.save_freq or "epoch",
@@ -149,8 +171,13 @@ def run_job(kind, recipe, rng):
     start = time.monotonic()
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    output = []
-    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    output = []  # the launcher's lines, each after the time.time() it came at
+
+    def read():
+        for line in launcher.stdout:
+            output.append(f"{time.time():.3f} {line}")
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     sent = 0
     try:
@@ -160,8 +187,8 @@ def run_job(kind, recipe, rng):
                 workers = launched.launcher_workers(launcher.pid)
                 if workers:
                     pid = rng.choice(sorted(workers))
-                    output.append(f"chaos: {kind} to pid {pid} (worker {workers[pid]}) at "
-                                  f"{time.monotonic() - start:.1f} s\n")
+                    output.append(f"{time.time():.3f} chaos: {kind} to pid {pid} (worker "
+                                  f"{workers[pid]}) at {time.monotonic() - start:.1f} s\n")
                     _deliver(kind, pid)
                     sent += 1
                     next_fault += FLAGS.interval
@@ -177,6 +204,7 @@ def run_job(kind, recipe, rng):
     if launcher.returncode != 0:
         raise RuntimeError(f"{kind}/{recipe} exited with {launcher.returncode}:\n{text[-3000:]}")
     twice = _steps_trained_twice(workdir)
+    restarts = _restart_phases(workdir, text)
     with np.load(os.path.join(workdir, "weights.npz")) as npz:
         weights = [npz[k] for k in sorted(npz.files, key=lambda k: int(k.split("_")[1]))]
     if FLAGS.logdir:
@@ -185,7 +213,7 @@ def run_job(kind, recipe, rng):
         with open(os.path.join(kept, "launcher.log"), "w") as f:
             f.write(text)
         for name in os.listdir(workdir):
-            if name.startswith("steps-"):
+            if name.startswith(("steps-", "phases-")):
                 os.rename(os.path.join(workdir, name), os.path.join(kept, name))
     subprocess.run(["rm", "-rf", workdir], check=False)
     return {
@@ -193,6 +221,7 @@ def run_job(kind, recipe, rng):
         "restarts": text.count("restarting every worker (restart"),
         "preemptions": text.count("(not counted as a failure)"),
         "twice": twice,
+        "phases": restarts,
         "resizes": text.count("dropped;"),
     }, weights
 
@@ -212,6 +241,34 @@ def _steps_trained_twice(workdir):
         later = set().union(*(s for a, ws in steps.items() if a > attempt for s in ws))
         twice |= completed & later
     return len(twice)
+
+
+def _restart_phases(workdir, text):
+    """Each restart that followed a fault: seconds from the fault to the
+    launcher's restart of every worker (`restarted`: the survivors saved and
+    exited), then to each of `PHASES`, the slowest worker's."""
+    reached = {}  # attempt -> phase -> the slowest worker's time
+    for name in os.listdir(workdir):
+        if name.startswith("phases-"):
+            _, _, attempt = name[: -len(".txt")].split("-")
+            times = reached.setdefault(int(attempt), {})
+            with open(os.path.join(workdir, name)) as f:
+                for line in f:
+                    phase, at = line.split()
+                    times[phase] = max(times.get(phase, 0.0), float(at))
+    restarts, fault, group = [], None, 0
+    for line in text.splitlines():
+        stamp, _, said = line.partition(" ")
+        if said.startswith("chaos: "):
+            fault = float(stamp)
+        elif "restarting every worker" in said:
+            group += 1  # the attempt (TF_AGN_RESTART_COUNT) it starts
+            times = reached.get(group, {})
+            if fault is not None and all(phase in times for phase in PHASES):
+                restarts.append({"restarted": float(stamp) - fault,
+                                 **{phase: times[phase] - fault for phase in PHASES}})
+            fault = None
+    return restarts
 
 
 def main(argv):
@@ -237,7 +294,7 @@ def main(argv):
     print("| fault | recipe | faults | wall s | goodput | s a fault | restarts | uncounted | "
           "steps twice | max abs(w - clean) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    ours = {}
+    ours, timed = {}, []
     for kind in FLAGS.kinds:
         for recipe in FLAGS.recipes:
             job, weights = run_job(kind, recipe, rng)
@@ -250,8 +307,20 @@ def main(argv):
                   f"{job['goodput']:.2f} | {job['cost']:.1f} | {job['restarts']} | "
                   f"{job['preemptions']} | {job['twice']} | {job['difference']:.3g} |",
                   flush=True)
+            timed.append(job)
             if recipe == "tf_agn":
                 ours[kind] = job
+    # Where a fault's time goes: after the fault, the launcher restarts
+    # every worker once the survivors saved and exited, then each new
+    # worker reaches each phase.
+    print("\nA restart's phases, median seconds after the fault (the slowest worker):")
+    print("| fault | recipe | restarts timed | restarted | " + " | ".join(PHASES) + " |")
+    print("|---|---|---:|---:|" + "---:|" * len(PHASES))
+    for job in timed:
+        medians = [statistics.median(restart[name] for restart in job["phases"])
+                   if job["phases"] else float("nan") for name in ("restarted", *PHASES)]
+        print(f"| {job['kind']} | {job['recipe']} | {len(job['phases'])} | "
+              + " | ".join(f"{m:.1f}" for m in medians) + " |", flush=True)
     for kind, job in ours.items():
         checks = [("no step trained twice", job["twice"] == 0),
                   ("weights bitwise", job["difference"] == 0)]
