@@ -152,6 +152,15 @@ def _deliver(kind, pid):
         threading.Thread(target=later, daemon=True).start()
 
 
+def _stopped(pid):
+    """Whether process `pid` is stopped (SIGSTOP) or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in "Tt"
+    except OSError:
+        return True
+
+
 def run_job(kind, recipe, rng):
     """One job; returns its measures, and its weights for comparison."""
     import numpy as np
@@ -184,7 +193,10 @@ def run_job(kind, recipe, rng):
         next_fault = start + FLAGS.interval
         while launcher.poll() is None:
             if kind != "none" and sent < FLAGS.faults and time.monotonic() >= next_fault:
-                workers = launched.launcher_workers(launcher.pid)
+                # A worker stopped by an earlier SIGSTOP, not yet found
+                # hung, is no target: a fault there would change nothing.
+                workers = {pid: index for pid, index in
+                           launched.launcher_workers(launcher.pid).items() if not _stopped(pid)}
                 if workers:
                     pid = rng.choice(sorted(workers))
                     output.append(f"{time.time():.3f} chaos: {kind} to pid {pid} (worker "

@@ -37,6 +37,20 @@ _ABORT_POLL_S = 0.1
 # The launcher's default: about 10 missed beats. A process descheduled for
 # a few seconds on a loaded machine is not hung.
 DEFAULT_HANG_TIMEOUT_S = 10.0
+# A worker that has not beaten yet is hung once silent since its group
+# started for this many times the hang timeout, and at least
+# `FIRST_BEAT_MIN_S`: a cold worker imports TensorFlow before
+# `multi_worker_mirrored()` starts its thread (up to 30 s with 6 processes
+# importing on 2 cores here); one on a warm standby beats as soon as it
+# takes the standby's place.
+FIRST_BEAT_FACTOR = 6
+FIRST_BEAT_MIN_S = 30.0
+
+
+def first_beat_timeout_s(hang_timeout_s: float) -> float:
+    """How long a worker may be silent before its first beat."""
+    return max(FIRST_BEAT_FACTOR * hang_timeout_s, FIRST_BEAT_MIN_S)
+
 
 _started = threading.Event()
 # What the thread calls on an abort request; None: requests are ignored.
@@ -56,6 +70,9 @@ def start_from_environment() -> bool:
         return False
     if not _started.is_set():
         _started.set()
+        # The first beat before returning: a worker stopped right after
+        # this call has beaten, and is found within the hang timeout.
+        _beat_once(path, watchdog)
         threading.Thread(
             target=_beat, args=(path, watchdog), name="tf_agn-heartbeat", daemon=True
         ).start()
@@ -98,17 +115,21 @@ def request_abort(path: str) -> None:
         pass
 
 
+def _beat_once(path: str | None, watchdog) -> None:
+    if path:
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    if watchdog is not None:
+        watchdog.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"].replace("@", "\0", 1))
+
+
 def _beat(path: str | None, watchdog) -> None:
-    next_beat = 0.0
+    next_beat = time.monotonic() + BEAT_INTERVAL_S
     while True:
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + BEAT_INTERVAL_S
-            if path:
-                with open(path, "a"):
-                    pass
-                os.utime(path)
-            if watchdog is not None:
-                watchdog.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"].replace("@", "\0", 1))
+            _beat_once(path, watchdog)
         if path and _on_abort is not None and os.path.exists(path + ".abort"):
             os.remove(path + ".abort")
             _on_abort()

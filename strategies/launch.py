@@ -93,7 +93,9 @@ def _parser():
         default=heartbeat.DEFAULT_HANG_TIMEOUT_S,
         help="with --multi_worker: seconds without a heartbeat after which a "
         "worker is hung, killed and handled as failed (default "
-        f"{heartbeat.DEFAULT_HANG_TIMEOUT_S:g}; 0: never)",
+        f"{heartbeat.DEFAULT_HANG_TIMEOUT_S:g}; 0: never); before its first beat, "
+        f"{heartbeat.FIRST_BEAT_FACTOR} times that, and at least "
+        f"{heartbeat.FIRST_BEAT_MIN_S:g} s",
     )
     return parser
 
@@ -222,7 +224,8 @@ def run_workers(
             `num_workers`: no slot is dropped).
         slot_failures: how many failures in a row drop a slot.
         hang_timeout_s: seconds without a heartbeat that make a worker
-            hung; None never kills one.
+            hung (before its first beat, `heartbeat.first_beat_timeout_s`
+            of it); None never kills one.
         backup_grace_s: once one worker exits preempted, fails or hangs,
             how long the others have to finish their backup.
 

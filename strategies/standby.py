@@ -95,6 +95,7 @@ def _serve() -> None:
     import tensorflow  # noqa: F401  (the point: imported ahead of need)
 
     import tf_agn  # noqa: F401
+    from tf_agn.strategies import heartbeat
 
     line = sys.stdin.readline()
     if not line:  # the launcher is gone, or needs no more workers
@@ -108,6 +109,10 @@ def _serve() -> None:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(request["env"])
+    # Beats from now on, as the worker it became: a worker hung before its
+    # script reaches `multi_worker_mirrored()` is found within the hang
+    # timeout too (a cold worker gets a longer bound for its first beat).
+    heartbeat.start_from_environment()
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = argv[1:]

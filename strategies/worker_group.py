@@ -83,7 +83,8 @@ class WorkerGroup:
         command: the command line every worker runs.
         slots: the launcher's slots that take part, in worker order.
         hang_timeout_s: a worker whose heartbeat is older is killed (None:
-            never).
+            never); before its first beat, one silent for
+            `heartbeat.first_beat_timeout_s(hang_timeout_s)`.
         backup_grace_s: once a worker exits preempted, fails or hangs, how
             long the others get to finish their backup and exit: after a
             failure, each worker that beats is asked to abort its
@@ -178,7 +179,7 @@ class WorkerGroup:
         return [relay]
 
     def _watch(self, hearts) -> GroupResult:
-        preempted_at = None
+        preempted_at, started = None, time.monotonic()
         while True:
             codes = [p.poll() for p in self._processes]
             for index, code in enumerate(codes):
@@ -198,8 +199,11 @@ class WorkerGroup:
                     return GroupResult(Outcome.FAILED, self._slots[codes.index(None)], None)
             elif self._hang_timeout_s is not None:
                 for index, heart in enumerate(hearts):
-                    age = heartbeat.age_s(heart)
-                    if codes[index] is None and age is not None and age > self._hang_timeout_s:
+                    age, bound = heartbeat.age_s(heart), self._hang_timeout_s
+                    if age is None:  # no beat yet: silent since the group started
+                        age = time.monotonic() - started
+                        bound = heartbeat.first_beat_timeout_s(self._hang_timeout_s)
+                    if codes[index] is None and age > bound:
                         self._processes[index].kill()
                         self._processes[index].wait()
                         return GroupResult(Outcome.HUNG, self._slots[index], -signal.SIGKILL)

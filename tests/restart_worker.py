@@ -92,7 +92,8 @@ def record_writes(backup_dir, log_path):
 
 class KillSelf(keras.callbacks.Callback):
     """Sends this process `signum` before batch `batch` of epoch `epoch`,
-    once."""
+    once; with `batch` -1, after the epoch's last batch (before Keras reads
+    the epoch's metrics, a collective)."""
 
     def __init__(self, epoch, batch, marker, signum=signal.SIGKILL):
         super().__init__()
@@ -103,14 +104,21 @@ class KillSelf(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == (self.kill_epoch, self.kill_batch) and not os.path.exists(
-            self.marker
-        ):
-            with open(self.marker, "w") as marker:
-                marker.write(repr(time.time()))  # when, for the benchmark
-            print(f"sending myself {self.signum.name} before epoch {self.epoch} batch {batch}",
-                  flush=True)
-            os.kill(os.getpid(), self.signum)
+        if (self.epoch, batch) == (self.kill_epoch, self.kill_batch):
+            self._kill(f"before epoch {self.epoch} batch {batch}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        last = batch == self.params["steps"] - 1
+        if (self.epoch, self.kill_batch) == (self.kill_epoch, -1) and last:
+            self._kill(f"after epoch {self.epoch}'s last batch")
+
+    def _kill(self, when):
+        if os.path.exists(self.marker):
+            return
+        with open(self.marker, "w") as marker:
+            marker.write(repr(time.time()))  # when, for the benchmark
+        print(f"sending myself {self.signum.name} {when}", flush=True)
+        os.kill(os.getpid(), self.signum)
 
 
 class RecordBegin(keras.callbacks.Callback):

@@ -18,6 +18,7 @@ from cluster_checks import default_sigint
 from cluster_checks import port_is_free
 from scripts import cluster_env
 from scripts import launch
+from tf_agn.strategies import heartbeat
 from tf_agn.strategies import launch as launcher
 from tf_agn.strategies import server
 from tf_agn.strategies.ports import free_ports
@@ -259,7 +260,8 @@ import importlib.util, json, os, pathlib, signal, sys, time
 spec = importlib.util.spec_from_file_location("heartbeat", os.environ["HEARTBEAT_PY"])
 heartbeat = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(heartbeat)
-assert heartbeat.start_from_environment()
+# Beaten once before it returns, so a worker stopped right after is found.
+assert heartbeat.start_from_environment() and heartbeat.age_s(os.environ["TF_AGN_HEARTBEAT_FILE"]) < 1
 slot = int(os.environ["TF_AGN_WORKER_SLOT"])
 workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
 state = pathlib.Path(os.environ["STATE_DIR"])
@@ -346,6 +348,40 @@ if slot == 0:
     stopped = float((tmp_path / "stopped").read_text())
     restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
     assert 4 - 1 < restarted - stopped < 4 + 1 + 4, restarted - stopped
+
+
+def test_a_worker_hung_before_its_first_beat_is_killed_within_the_longer_bound(tmp_path):
+    # Attempt 1: slot 1 stops itself before it starts beating, as a worker
+    # frozen while it imports TensorFlow would: silent for max(6 x 3 s, 30 s)
+    # since its group started, it is hung. Attempt 2's workers beat and succeed.
+    worker = RECOVERY_WORKER.replace("assert heartbeat.start_from_environment() and", "assert")
+    worker = worker.replace('heartbeat.age_s(os.environ["TF_AGN_HEARTBEAT_FILE"]) < 1', "True")
+    plan = """
+if attempt == 1 and slot == 1:
+    (state / "stopped").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+assert heartbeat.start_from_environment()
+if attempt == 1:
+    time.sleep(600)
+"""
+    env = cluster_env(
+        STATE_DIR=str(tmp_path), PLAN=plan,
+        HEARTBEAT_PY=str(pathlib.Path(launcher.__file__).parent / "heartbeat.py"),
+    )
+    code, output = launch(
+        ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "3"],
+        [sys.executable, "-c", worker], env, timeout=120,
+    )
+    assert code == 0, output
+    assert ("Worker slot 1 stopped sending heartbeats and was killed; restarting every "
+            "worker (restart 1 of 1).") in output, output
+    bound = heartbeat.first_beat_timeout_s(3)
+    assert bound == 30
+    # Counted from the group's start, a little before slot 1 stopped.
+    started = min(path.stat().st_mtime for path in tmp_path.glob("start-*-1"))
+    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
+    assert bound - 1 < restarted - started < bound + 1 + 4, restarted - started
+    assert float((tmp_path / "stopped").read_text()) < started + 2
 
 
 def test_a_slot_that_keeps_failing_is_dropped_and_rejoins_at_a_later_restart(tmp_path):

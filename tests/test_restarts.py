@@ -643,39 +643,45 @@ def _results(workdir, workers=2):
     return got
 
 
-@pytest.mark.parametrize("optimizer, lost", [
+@pytest.mark.parametrize("optimizer, lost, kill_batch", [
     # Worker 0 hosts the coordination service; worker 1's part of the
     # sharded moments comes from worker 0's peer copy.
-    ("adam_sharded", 0),
-    pytest.param("adam", 1, marks=pytest.mark.slow),
+    ("adam_sharded", 0, KILL_BATCH),
+    pytest.param("adam", 1, KILL_BATCH, marks=pytest.mark.slow),
+    # Killed after the epoch's last step: the survivor fails as Keras reads
+    # the epoch's metrics (a collective, outside the steps).
+    pytest.param("adam", 1, -1, marks=pytest.mark.slow),
     # Killed with 2 gradients accumulated: worker 1's come from worker 0's
     # peer copy; so do worker 0's residuals.
-    pytest.param("accumulation", 1, marks=pytest.mark.slow),
-    pytest.param("int8", 0, marks=pytest.mark.slow),
+    pytest.param("accumulation", 1, KILL_BATCH, marks=pytest.mark.slow),
+    pytest.param("int8", 0, KILL_BATCH, marks=pytest.mark.slow),
 ])
 def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(
-    tmp_path, optimizer, lost
+    tmp_path, optimizer, lost, kill_batch
 ):
-    """A worker is SIGKILLed before step 12 with backups only every epoch
-    (the last after step 8): the other saves steps 10 and 11 as its
-    collectives fail, and the restarted job resumes after step 11, training
-    no step twice, and ends at the uninterrupted run's state."""
+    """A worker is SIGKILLed before step 12 (or after step 12, the end of
+    epoch 2) with backups only every epoch (the last after step 8): the
+    other saves the last two steps it completed as its collectives fail,
+    and the restarted job resumes after the last one, training no step
+    twice, and ends at the uninterrupted run's state."""
     code, output = launch(
         ["--multi_worker", "2", "--max_restarts", "1"],
         [sys.executable, WORKER_SCRIPT, str(tmp_path), f"--optimizer={optimizer}",
          "--save_freq=epoch", "--kill_worker", str(lost), f"--kill_epoch={KILL_EPOCH}",
-         f"--kill_batch={KILL_BATCH}"],
+         f"--kill_batch={kill_batch}"],
         cluster_env(),
     )
     assert code == 0, output
     assert f"Worker slot {lost} was killed by SIGKILL; restarting every worker" in output, output
     survivor = 1 - lost
-    assert (f"[worker {survivor}] " * survivor + "BackupAndRestore: a collective failed (a peer "
-            "lost?); saved the last steps this worker completed, up to epoch 2, step 3"
+    epoch, step = (KILL_EPOCH, KILL_BATCH) if kill_batch >= 0 else (KILL_EPOCH + 1, 0)
+    why = "a collective failed (a peer lost?)" if kill_batch >= 0 else "fit left with an error"
+    assert (f"[worker {survivor}] " * survivor + f"BackupAndRestore: {why}; saved the last "
+            f"steps this worker completed, up to epoch {epoch}, step {step}"
             ) in output, output
-    assert ("BackupAndRestore: resuming at epoch 2, step 3, the last step the survivors "
-            f"completed, from their rescue (worker-{lost} lost).") in output, output
-    steps = KILL_EPOCH * 4 + KILL_BATCH
+    assert (f"BackupAndRestore: resuming at epoch {epoch}, step {step}, the last step the "
+            f"survivors completed, from their rescue (worker-{lost} lost).") in output, output
+    steps = epoch * 4 + step
     # The optimizer's iterations count applied steps: 1 in 3 accumulated.
     applied = steps // 3 if optimizer == "accumulation" else steps
     for task in ("worker-0", "worker-1"):

@@ -14,8 +14,12 @@ from scripts import launch
 from tf_agn.strategies import standby
 
 SCRIPT = """
-import os, sys
+import os, sys, time
 print("tensorflow imported before:", "tensorflow" in sys.modules)
+deadline = time.monotonic() + 5
+while not os.path.exists(os.environ["TF_AGN_HEARTBEAT_FILE"]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("beating:", os.path.exists(os.environ["TF_AGN_HEARTBEAT_FILE"]))
 print("name:", __name__)
 print("argv:", sys.argv[1:])
 print("path0:", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +46,7 @@ def test_a_standby_runs_the_script_as_python_would(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     waiting = standby.Standby([sys.executable])
-    env = checkout_env(STANDBY_TEST="yes")
+    env = checkout_env(STANDBY_TEST="yes", TF_AGN_HEARTBEAT_FILE=str(tmp_path / "heart"))
     try:
         # Read once it has imported TensorFlow and tf_agn.
         waiting.start(env, [str(script), "3", "--flag"])
@@ -56,6 +60,9 @@ def test_a_standby_runs_the_script_as_python_would(tmp_path):
     assert "argv: ['3', '--flag']" in output
     assert "path0: True" in output
     assert "env: yes False" in output  # the request's environment, whole
+    # A worker on a standby beats before its script runs, as the worker of
+    # the request's heartbeat file.
+    assert "beating: True" in output
     assert "stdin: /dev/null ''" in output  # not the request's pipe
 
 

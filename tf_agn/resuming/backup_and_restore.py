@@ -1,6 +1,7 @@
 """`BackupAndRestore`: fault-tolerant `fit` for one process or many workers
 sharing one backup directory, restoring every replica's own state."""
 
+import atexit
 import functools
 import itertools
 import os
@@ -144,6 +145,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         strategy = self.model.distribute_strategy
         _TrainFunctionWrapper.remove_all(self.model)  # left by a fit that raised
+        atexit.unregister(self._rescue_at_exit)  # likewise
         self._task = Task.of(strategy)
         self._files = BackupFiles(self.backup_dir, self._task)
         if self.preemption_notice is not None:
@@ -175,6 +177,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._snapshots = rescue_lib.StepSnapshots()
             self._peer_positions = None  # found after the first step
             self._rescuer = _Rescuer(self.model, self._write_rescue)
+            atexit.register(self._rescue_at_exit)
         if self._restored is not None and self._restored["step"]:
             self._batch_skipper = _BatchSkipper(self.model, self._restored["step"])
 
@@ -242,6 +245,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if wrapper is not None:
                 wrapper.stop()
         self._batch_skipper = self._rescuer = self._snapshots = None
+        atexit.unregister(self._rescue_at_exit)
         _compat.set_initial_epoch(self.model, None)
         self._restored = None
         if self._preemption is not None:
@@ -365,21 +369,29 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._task.is_chief:
             self._files.remove_rescues()
 
-    def _write_rescue(self):
-        """Writes this worker's last completed steps, for the restarted job."""
+    def _write_rescue(self, why="a collective failed (a peer lost?)"):
+        """Writes this worker's last completed steps, once, for the
+        restarted job."""
+        snapshots, self._snapshots = self._snapshots, None
         try:
-            written = self._snapshots.write(self._files) if self._snapshots else []
+            written = snapshots.write(self._files) if snapshots else []
         except OSError as error:
             print(f"BackupAndRestore: could not write a rescue: {error}", flush=True)
             return
         if written:
             last = written[-1].pointer
             print(
-                f"BackupAndRestore: a collective failed (a peer lost?); saved the last "
-                f"steps this worker completed, up to epoch {last['epoch']}, step "
-                f"{last['step']}, for the restarted job.",
+                f"BackupAndRestore: {why}; saved the last steps this worker completed, "
+                f"up to epoch {last['epoch']}, step {last['step']}, for the restarted job.",
                 flush=True,
             )
+
+    def _rescue_at_exit(self):
+        """Registered with `atexit` while `fit` runs on several workers: a
+        fit that left by an error raised outside the steps (Keras reading
+        the metrics at an epoch's end is a collective too, and so is
+        validation) still leaves its rescue as the process exits."""
+        self._write_rescue("fit left with an error")
 
 
 # Numbers the fits that watch for notices, alike on every worker.
