@@ -37,19 +37,6 @@ _ABORT_POLL_S = 0.1
 # The launcher's default: about 10 missed beats. A process descheduled for
 # a few seconds on a loaded machine is not hung.
 DEFAULT_HANG_TIMEOUT_S = 10.0
-# A worker that has not beaten yet is hung once silent since its group
-# started for this many times the hang timeout, and at least
-# `FIRST_BEAT_MIN_S`: a cold worker imports TensorFlow before
-# `multi_worker_mirrored()` starts its thread (up to 30 s with 6 processes
-# importing on 2 cores here); one on a warm standby beats as soon as it
-# takes the standby's place.
-FIRST_BEAT_FACTOR = 6
-FIRST_BEAT_MIN_S = 30.0
-
-
-def first_beat_timeout_s(hang_timeout_s: float) -> float:
-    """How long a worker may be silent before its first beat."""
-    return max(FIRST_BEAT_FACTOR * hang_timeout_s, FIRST_BEAT_MIN_S)
 
 
 _started = threading.Event()
@@ -97,6 +84,20 @@ def age_s(path: str) -> float | None:
         return time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
         return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process `pid` has used (Linux /proc), or None where
+    unknown. Before a worker's first beat (a cold one imports TensorFlow
+    first), CPU time that stands still is the sign of a hung process: an
+    import on a loaded machine is slow, but never idle."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    # utime and stime, the 14th and 15th fields, in clock ticks.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def answers_abort(path: str) -> bool:

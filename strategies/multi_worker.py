@@ -4,8 +4,11 @@ synchronous training across worker processes, in which Keras 3's
 COMMAND` runs N such workers on this machine.
 """
 
+import atexit
 import functools
+import os
 import signal
+import sys
 import threading
 
 import tensorflow as tf
@@ -205,7 +208,25 @@ def multi_worker_mirrored(
     # Connected: a supervisor that lost a peer may now make this worker
     # stop waiting for it (before, it is killed like any other).
     heartbeat.answer_aborts(_abort_collectives)
+    if num_workers > 1:
+        atexit.unregister(_exit_without_teardown_after_an_op_error)  # once a process
+        atexit.register(_exit_without_teardown_after_an_op_error)
     return strategy
+
+
+def _exit_without_teardown_after_an_op_error():
+    """At exit after an uncaught TensorFlow op error (a lost peer failed a
+    collective), ends the process at once, with the code Python gives an
+    uncaught error (1), skipping the `atexit` handlers registered before
+    this one and TensorFlow's teardown. That teardown (its servers,
+    collectives and coordination service, with a peer gone) took 3 to 10 s
+    here, and the launcher restarts the job only once every survivor has
+    exited. The handlers registered after, such as `BackupAndRestore`'s
+    rescue, have run."""
+    if isinstance(getattr(sys, "last_value", None), tf.errors.OpError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class _sigterm_kept:

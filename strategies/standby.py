@@ -109,9 +109,8 @@ def _serve() -> None:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(request["env"])
-    # Beats from now on, as the worker it became: a worker hung before its
-    # script reaches `multi_worker_mirrored()` is found within the hang
-    # timeout too (a cold worker gets a longer bound for its first beat).
+    # Beats from now on, as the worker it became, before its script reaches
+    # `multi_worker_mirrored()`.
     heartbeat.start_from_environment()
     argv = request["argv"]
     if argv[0] == "-m":

@@ -83,8 +83,8 @@ class WorkerGroup:
         command: the command line every worker runs.
         slots: the launcher's slots that take part, in worker order.
         hang_timeout_s: a worker whose heartbeat is older is killed (None:
-            never); before its first beat, one silent for
-            `heartbeat.first_beat_timeout_s(hang_timeout_s)`.
+            never); before its first beat, one whose CPU time stood still
+            as long (`heartbeat.cpu_seconds`).
         backup_grace_s: once a worker exits preempted, fails or hangs, how
             long the others get to finish their backup and exit: after a
             failure, each worker that beats is asked to abort its
@@ -179,7 +179,7 @@ class WorkerGroup:
         return [relay]
 
     def _watch(self, hearts) -> GroupResult:
-        preempted_at, started = None, time.monotonic()
+        preempted_at, idle = None, _CpuIdle()
         while True:
             codes = [p.poll() for p in self._processes]
             for index, code in enumerate(codes):
@@ -199,11 +199,10 @@ class WorkerGroup:
                     return GroupResult(Outcome.FAILED, self._slots[codes.index(None)], None)
             elif self._hang_timeout_s is not None:
                 for index, heart in enumerate(hearts):
-                    age, bound = heartbeat.age_s(heart), self._hang_timeout_s
-                    if age is None:  # no beat yet: silent since the group started
-                        age = time.monotonic() - started
-                        bound = heartbeat.first_beat_timeout_s(self._hang_timeout_s)
-                    if codes[index] is None and age > bound:
+                    age = heartbeat.age_s(heart)
+                    if age is None:  # no beat yet: how long its CPU time stood still
+                        age = idle.since(index, self._processes[index].pid)
+                    if codes[index] is None and age > self._hang_timeout_s:
                         self._processes[index].kill()
                         self._processes[index].wait()
                         return GroupResult(Outcome.HUNG, self._slots[index], -signal.SIGKILL)
@@ -229,6 +228,24 @@ class WorkerGroup:
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self._processes):
             time.sleep(0.1)
+
+
+class _CpuIdle:
+    """How long each worker's CPU time has stood still, from the launcher's
+    polls (0 where /proc does not tell)."""
+
+    def __init__(self):
+        self._last = {}  # index -> (CPU seconds, when they last changed)
+
+    def since(self, index: int, pid: int) -> float:
+        cpu, now = heartbeat.cpu_seconds(pid), time.monotonic()
+        if cpu is None:
+            return 0.0
+        last = self._last.get(index)
+        if last is None or cpu != last[0]:
+            self._last[index] = (cpu, now)
+            return 0.0
+        return now - last[1]
 
 
 def _relay(stream, prefix):

@@ -698,6 +698,31 @@ def test_a_lost_workers_survivor_saves_the_last_step_and_the_job_resumes_there(
     assert not [name for name in os.listdir(tmp_path / "backup") if name.startswith("rescue")]
 
 
+@pytest.mark.parametrize("error, torn_down", [
+    ("tf.errors.UnavailableError(None, None, 'a peer was lost')", False),
+    ("ValueError('not a lost peer')", True),
+])
+def test_a_survivor_exits_without_teardown_after_an_op_error(error, torn_down):
+    """After an uncaught op error, the handler `multi_worker_mirrored`
+    registers ends the process with code 1 once the handlers registered
+    after it (BackupAndRestore's rescue) ran, skipping the ones before it
+    and TensorFlow's teardown; after any other error, exit is as usual."""
+    source = f"""
+import atexit
+import tensorflow as tf
+from tf_agn.strategies import multi_worker
+atexit.register(lambda: print("registered before: ran", flush=True))
+atexit.register(multi_worker._exit_without_teardown_after_an_op_error)
+atexit.register(lambda: print("registered after: ran", flush=True))
+raise {error}
+"""
+    result = subprocess.run([sys.executable, "-c", source], env=cluster_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "registered after: ran" in result.stdout, result.stdout
+    assert ("registered before: ran" in result.stdout) is torn_down, result.stdout
+
+
 @pytest.mark.slow
 def test_a_killed_streaming_diloco_worker_resumes_an_exchange_in_flight(tmp_path):
     # Backups every 2 steps: the last before the kill, after step 8, holds
