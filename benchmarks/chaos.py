@@ -16,10 +16,11 @@ every `--interval` seconds:
 - `sigstop`: a hung host (SIGCONT after `--stop_s` if it still exists).
 
 Each kind runs with each recipe of `--recipes`: `tf_agn` (preemption
-notices on, the launcher's `--hang_timeout 10`, backups every `--save_freq`
-steps), and today's recovery without them (notices off, no hang timeout,
-so TensorFlow's own health check finds a hung worker) with backups every
-`--save_freq` steps (`backups`) or every epoch (`backups_epoch`).
+notices on, survivors' rescues on, the launcher's `--hang_timeout 10`,
+backups every `--save_freq` steps), and today's recovery without them
+(notices and rescues off, no hang timeout, so TensorFlow's own health
+check finds a hung worker) with backups every `--save_freq` steps
+(`backups`) or every epoch (`backups_epoch`).
 
 Reported per job: wall time, goodput (the clean job's wall time over this
 job's), what a fault cost (the extra wall time over the faults), restarts
@@ -27,7 +28,13 @@ job's), what a fault cost (the extra wall time over the faults), restarts
 that every worker of an attempt completed and a later attempt trained
 again; a step only the lost worker completed died with it, and training it
 again loses nothing), and the final weights against the clean job's (max
-|difference|).
+|difference|). Then where a restart's time goes: the median, over a job's
+restarts, of the seconds from the fault to the launcher restarting every
+worker (the survivors saved and exited), and to each new worker's
+`PHASES` (its script began, connected, built the model, began `fit` past
+the restore, trained a step), the slowest worker's. `--logdir` keeps each
+job's launcher output (each line after its time) and its workers' steps
+and phases files.
 
 Targets (issue 48): no step trained twice; final weights bitwise equal;
 goodput >= 0.85 with a SIGKILL or a SIGTERM every 30 s; a SIGSTOP costs at
@@ -69,6 +76,8 @@ flags.DEFINE_integer("batch_size", 192, "The global batch.")
 flags.DEFINE_integer("seed", 0, "Which workers the faults hit.")
 flags.DEFINE_string("workdir", None, "Worker mode: the job's directory (set by this script).")
 flags.DEFINE_bool("notices", True, "Worker mode: whether SIGTERM is a notice.")
+flags.DEFINE_bool("rescues", True,
+                  "Worker mode: whether survivors save the last step (keep_last_steps).")
 flags.DEFINE_string("logdir", None,
                     "Keeps each job's launcher output and steps files there, to "
                     "diagnose a step trained twice (default: deleted).")
@@ -125,6 +134,7 @@ def worker_main():
     backup = tf_agn.callbacks.BackupAndRestore(
         os.path.join(FLAGS.workdir, "backup"), save_freq=FLAGS.save_freq or "epoch",
         preemption_notice=signal.SIGTERM if FLAGS.notices else None,
+        keep_last_steps=FLAGS.rescues,
     )
     model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=False,
               verbose=0, callbacks=[backup, log])
@@ -172,7 +182,8 @@ def run_job(kind, recipe, rng):
         sys.executable, "-m", "tf_agn.strategies.launch", "--multi_worker", "3",
         "--max_restarts", "1000", "--hang_timeout", str(hang), "--",
         sys.executable, os.path.abspath(__file__), f"--workdir={workdir}",
-        f"--notices={recipe == 'tf_agn'}", f"--epochs={FLAGS.epochs}",
+        f"--notices={recipe == 'tf_agn'}", f"--rescues={recipe == 'tf_agn'}",
+        f"--epochs={FLAGS.epochs}",
         f"--steps_per_epoch={FLAGS.steps_per_epoch}",
         f"--save_freq={0 if recipe == 'backups_epoch' else FLAGS.save_freq}",
         f"--units={','.join(FLAGS.units)}", f"--batch_size={FLAGS.batch_size}",

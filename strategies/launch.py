@@ -94,7 +94,7 @@ def _parser():
         help="with --multi_worker: seconds without a heartbeat after which a "
         "worker is hung, killed and handled as failed (default "
         f"{heartbeat.DEFAULT_HANG_TIMEOUT_S:g}; 0: never); before its first beat, "
-        "as long without using CPU time",
+        "once a peer beats, as long without using CPU time",
     )
     return parser
 
@@ -223,8 +223,8 @@ def run_workers(
             `num_workers`: no slot is dropped).
         slot_failures: how many failures in a row drop a slot.
         hang_timeout_s: seconds without a heartbeat that make a worker
-            hung (before its first beat, as long without using CPU
-            time); None never kills one.
+            hung (before its first beat, once a peer beats, as long
+            without using CPU time); None never kills one.
         backup_grace_s: once one worker exits preempted, fails or hangs,
             how long the others have to finish their backup.
 

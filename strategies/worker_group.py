@@ -83,8 +83,8 @@ class WorkerGroup:
         command: the command line every worker runs.
         slots: the launcher's slots that take part, in worker order.
         hang_timeout_s: a worker whose heartbeat is older is killed (None:
-            never); before its first beat, one whose CPU time stood still
-            as long (`heartbeat.cpu_seconds`).
+            never); before its first beat, once a peer beats, one whose
+            CPU time stood still as long (`heartbeat.cpu_seconds`).
         backup_grace_s: once a worker exits preempted, fails or hangs, how
             long the others get to finish their backup and exit: after a
             failure, each worker that beats is asked to abort its
@@ -198,11 +198,15 @@ class WorkerGroup:
                     # Killed by the `finally`; None: it did not end by itself.
                     return GroupResult(Outcome.FAILED, self._slots[codes.index(None)], None)
             elif self._hang_timeout_s is not None:
-                for index, heart in enumerate(hearts):
-                    age = heartbeat.age_s(heart)
-                    if age is None:  # no beat yet: how long its CPU time stood still
+                ages = [heartbeat.age_s(heart) for heart in hearts]
+                # Once a peer beats, the command is one that beats: a worker
+                # that has not yet is hung when its CPU time stands still
+                # (a command that never beats is never judged).
+                beating = any(age is not None for age in ages)
+                for index, age in enumerate(ages):
+                    if age is None and beating:
                         age = idle.since(index, self._processes[index].pid)
-                    if codes[index] is None and age > self._hang_timeout_s:
+                    if codes[index] is None and age is not None and age > self._hang_timeout_s:
                         self._processes[index].kill()
                         self._processes[index].wait()
                         return GroupResult(Outcome.HUNG, self._slots[index], -signal.SIGKILL)
@@ -211,16 +215,23 @@ class WorkerGroup:
     def _let_survivors_save(self, hearts):
         """Asks every running worker that answers to stop waiting for the
         lost one, and gives them `backup_grace_s` to save and exit (the rest are
-        killed by `run`'s `finally`)."""
+        killed by `run`'s `finally`); one that stops beating meanwhile is
+        hung, and killed at once."""
         survivors = [
-            process for process, heart in zip(self._processes, hearts)
+            (process, heart) for process, heart in zip(self._processes, hearts)
             if process.poll() is None and heartbeat.answers_abort(heart)
         ]
-        for process, heart in zip(self._processes, hearts):
-            if process in survivors:
-                heartbeat.request_abort(heart)
+        for _, heart in survivors:
+            heartbeat.request_abort(heart)
         deadline = time.monotonic() + self._backup_grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in survivors):
+        while time.monotonic() < deadline and any(p.poll() is None for p, _ in survivors):
+            for process, heart in survivors:
+                # A stopped worker answers no request: waiting for it held a
+                # group for as long as it stayed stopped.
+                age = heartbeat.age_s(heart)
+                hung = None not in (self._hang_timeout_s, age) and age > self._hang_timeout_s
+                if process.poll() is None and hung:
+                    process.kill()
             time.sleep(0.1)
 
     def _interrupt(self):

@@ -321,6 +321,12 @@ def test_chaos_runs_and_reports():
     for check in ("no step trained twice", "weights bitwise"):
         assert f"PASS: sigterm: {check}" in out, out
     assert re.search(r"^(PASS|FAIL): sigterm: goodput >= 0.85", out, re.M), out
+    phases = re.search(r"^\| sigterm \| tf_agn \| (\d+) \|((?: (?:[\d.]+|nan) \|){6})$",
+                       out, re.M)
+    assert phases, out
+    if int(phases.group(1)):  # each later than the one before, after the fault
+        times = [float(t) for t in phases.group(2).split("|") if t.strip()]
+        assert 0 < times[0] <= times[1] <= times[2] <= times[3] <= times[4] <= times[5], times
 
 
 @pytest.mark.slow

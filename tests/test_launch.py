@@ -392,6 +392,31 @@ if attempt == 1:
     assert (tmp_path / "spun-0").exists() and (tmp_path / "spun-1").exists()
 
 
+def test_a_survivor_that_hangs_while_the_others_save_is_killed_not_waited_for(tmp_path):
+    # Attempt 1: slot 0 answers abort requests, as a connected worker does,
+    # and stops itself; slot 1 then fails. The launcher asks slot 0 to save
+    # and would give it the whole backup grace (120 s): a hung survivor is
+    # killed once its heartbeat is 3 s old instead.
+    plan = """
+if attempt == 1 and slot == 0:
+    heartbeat.answer_aborts(lambda: None)
+    (state / "stopped").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+if attempt == 1 and slot == 1:
+    while not (state / "stopped").exists():
+        time.sleep(0.05)
+    sys.exit(7)
+"""
+    code, output = _recover(
+        tmp_path, ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "3"], plan
+    )
+    assert code == 0, output
+    assert "Worker slot 1 exited with code 7; restarting every worker" in output, output
+    stopped = float((tmp_path / "stopped").read_text())
+    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
+    assert restarted - stopped < 3 + 1 + 4, restarted - stopped
+
+
 def test_a_slot_that_keeps_failing_is_dropped_and_rejoins_at_a_later_restart(tmp_path):
     # Slot 2 never comes up; in the first group of 2, slot 1 fails once.
     plan = """
