@@ -18,7 +18,6 @@ from cluster_checks import default_sigint
 from cluster_checks import port_is_free
 from scripts import cluster_env
 from scripts import launch
-from tf_agn.strategies import heartbeat
 from tf_agn.strategies import launch as launcher
 from tf_agn.strategies import server
 from tf_agn.strategies.ports import free_ports
@@ -275,16 +274,28 @@ exec(os.environ["PLAN"])
 """
 
 
-def _recover(tmp_path, launcher_args, plan, after_start=None):
-    """Runs RECOVERY_WORKER under the launcher with `plan` (Python run by
-    each worker once all of its group started, with `slot`, `attempt`,
-    `workers` and `state` set); returns (exit code, output)."""
+def _recover(tmp_path, launcher_args, plan, after_start=None, worker=RECOVERY_WORKER):
+    """Runs `worker` (RECOVERY_WORKER) under the launcher with `plan`
+    (Python run by each worker once all of its group started, with `slot`,
+    `attempt`, `workers` and `state` set); returns (exit code, output)."""
     env = cluster_env(
         STATE_DIR=str(tmp_path), PLAN=plan,
         HEARTBEAT_PY=str(pathlib.Path(launcher.__file__).parent / "heartbeat.py"),
     )
-    return launch(launcher_args, [sys.executable, "-c", RECOVERY_WORKER], env,
+    return launch(launcher_args, [sys.executable, "-c", worker], env,
                   timeout=120, after_start=after_start)
+
+
+def _assert_slot_1_found_hung(tmp_path, code, output, timeout):
+    """Slot 1, stopped (its time in "stopped"), was killed as hung and the
+    job restarted within `timeout`, a beat and the launcher's poll, plus
+    the new group's start."""
+    assert code == 0, output
+    assert ("Worker slot 1 stopped sending heartbeats and was killed; restarting every "
+            "worker (restart 1 of 1).") in output, output
+    stopped = float((tmp_path / "stopped").read_text())
+    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
+    assert timeout - 1 < restarted - stopped < timeout + 1 + 4, restarted - stopped
 
 
 def test_a_preempted_group_waits_for_every_backup_and_restarts_uncounted(tmp_path):
@@ -340,14 +351,7 @@ if slot == 0:
     code, output = _recover(
         tmp_path, ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "4"], plan
     )
-    assert code == 0, output
-    assert ("Worker slot 1 stopped sending heartbeats and was killed; restarting every "
-            "worker (restart 1 of 1).") in output, output
-    # Detected within the timeout, a beat and the launcher's poll, plus the
-    # new group's start.
-    stopped = float((tmp_path / "stopped").read_text())
-    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
-    assert 4 - 1 < restarted - stopped < 4 + 1 + 4, restarted - stopped
+    _assert_slot_1_found_hung(tmp_path, code, output, 4)
 
 
 def test_a_worker_hung_before_its_first_beat_is_killed_once_its_cpu_time_stands_still(
@@ -373,21 +377,11 @@ assert heartbeat.start_from_environment()
 if attempt == 1:
     time.sleep(600)
 """
-    env = cluster_env(
-        STATE_DIR=str(tmp_path), PLAN=plan,
-        HEARTBEAT_PY=str(pathlib.Path(launcher.__file__).parent / "heartbeat.py"),
+    code, output = _recover(
+        tmp_path, ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "3"], plan,
+        worker=worker,
     )
-    code, output = launch(
-        ["--multi_worker", "2", "--max_restarts", "1", "--hang_timeout", "3"],
-        [sys.executable, "-c", worker], env, timeout=120,
-    )
-    assert code == 0, output
-    assert ("Worker slot 1 stopped sending heartbeats and was killed; restarting every "
-            "worker (restart 1 of 1).") in output, output
-    stopped = float((tmp_path / "stopped").read_text())
-    restarted = min(path.stat().st_mtime for path in tmp_path.glob("start-*-2"))
-    # Within the timeout, a poll and the new group's start.
-    assert 3 - 1 < restarted - stopped < 3 + 1 + 4, restarted - stopped
+    _assert_slot_1_found_hung(tmp_path, code, output, 3)
     # Silent but busy for longer than the timeout, neither was killed.
     assert (tmp_path / "spun-0").exists() and (tmp_path / "spun-1").exists()
 
